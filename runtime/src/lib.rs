@@ -1,0 +1,25 @@
+//! `tchmem-runtime`: what notebook cells of the tchmem kernel use, imported as `tchmem`.
+//!
+//! Every cell of a tchmem kernel already depends on this crate and on `tch`; nothing needs a
+//! `:dep` line. This is the only part of tchmem that links libtorch.
+
+pub mod display;
+
+/// Asking the notebook's user for a line of text (Jupyter `input_request`).
+pub mod input {
+    pub use evcxr_input::{get_password, get_string};
+}
+mod panic_hook;
+
+pub use tch;
+
+/// The version of this crate, as built into the current cell.
+pub fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Called by the kernel when a session starts; not meant for cells.
+#[doc(hidden)]
+pub fn __kernel_session_start() {
+    panic_hook::install();
+}

@@ -1,0 +1,58 @@
+//! Native code run before and after every cell, in the child, at no compile cost.
+
+use std::time::Instant;
+
+use super::stdout_tap::StdoutTap;
+use crate::libtorch::CudaLibrary;
+use tchmem_wire::{CellReport, CELL_REPORT_MIME, STDERR_SYNC_PREFIX};
+
+/// State kept between the hooks of one child process.
+pub struct CellHooks {
+    tap: StdoutTap,
+    cuda: CudaLibrary,
+    cells_run: u64,
+    started: Instant,
+}
+
+impl CellHooks {
+    /// Hooks that report through `tap`.
+    pub fn new(tap: StdoutTap, cuda: CudaLibrary) -> Self {
+        Self {
+            tap,
+            cuda,
+            cells_run: 0,
+            started: Instant::now(),
+        }
+    }
+
+    /// Runs just before the cell's code.
+    pub fn before_cell(&mut self) {
+        self.started = Instant::now();
+    }
+
+    /// Runs just after the cell's code returned (also after a caught panic): sends the cell's
+    /// report as a rich-output block that evcxr hands to the engine with the cell's outputs, and
+    /// marks the end of the cell's stderr.
+    pub fn after_cell(&mut self) {
+        let wall_seconds = self.started.elapsed().as_secs_f64();
+        let panicked = self.tap.sync();
+        self.cells_run += 1;
+        let report = CellReport {
+            sync_token: format!("{}-{}", std::process::id(), self.cells_run),
+            panicked,
+            wall_seconds,
+            cuda_library: self.cuda.describe(),
+        };
+        let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
+        self.tap
+            .write_line(&format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}"));
+        self.tap.write_line(&json);
+        self.tap.write_line("EVCXR_END_CONTENT");
+        eprintln!("{STDERR_SYNC_PREFIX}{}", report.sync_token);
+    }
+
+    /// Writes a protocol line to the kernel.
+    pub fn write_line(&self, line: &str) {
+        self.tap.write_line(line);
+    }
+}

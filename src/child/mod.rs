@@ -1,0 +1,108 @@
+//! The child process that loads and runs compiled cells.
+//!
+//! evcxr compiles each cell into a shared library and asks a child process to run it with a line
+//! `LOAD_AND_RUN <library> <function>` on the child's stdin; the child answers with the cell's
+//! output and a final `EVCXR_EXECUTION_COMPLETE` line. evcxr ships such a loop, but we run our
+//! own so that native code runs before and after every cell without an extra compile: this is
+//! where the kernel learns whether the cell panicked and, later, what it did to memory.
+//!
+//! The protocol is evcxr 0.22's internal one (pinned exactly in Cargo.toml).
+
+mod hooks;
+mod stdout_tap;
+
+use std::ffi::c_void;
+use std::io::BufRead;
+
+use hooks::CellHooks;
+use stdout_tap::StdoutTap;
+
+/// Environment variable that makes this binary act as the cell-running child.
+pub const CHILD_ENV: &str = "TCHMEM_CHILD";
+
+/// The line evcxr waits for after each cell.
+const EXECUTION_COMPLETE: &str = "EVCXR_EXECUTION_COMPLETE";
+
+/// True when this process was started by the engine to run cells.
+pub fn is_child_process() -> bool {
+    std::env::var_os(CHILD_ENV).is_some()
+}
+
+/// Runs the child loop until stdin closes; never returns.
+pub fn run() -> ! {
+    let cuda = crate::libtorch::load_cuda_globally();
+    let tap = match StdoutTap::install() {
+        Ok(tap) => tap,
+        Err(error) => {
+            eprintln!("tchmem child: cannot watch stdout: {error}");
+            std::process::exit(98);
+        }
+    };
+    let mut hooks = CellHooks::new(tap, cuda);
+    // Libraries are never unloaded: a cell's thread-locals and statics may outlive its call.
+    let mut libraries: Vec<libloading::Library> = Vec::new();
+    let mut variable_store: *mut c_void = std::ptr::null_mut();
+    loop {
+        // The lock is taken per line and released before user code runs: cells read stdin too
+        // (evcxr's input requests are answered on it).
+        let mut line = String::new();
+        match std::io::stdin().lock().read_line(&mut line) {
+            Ok(0) => std::process::exit(0),
+            Ok(_) => {}
+            Err(error) => {
+                eprintln!("tchmem child: reading stdin: {error}");
+                std::process::exit(99);
+            }
+        }
+        let Some((library_path, function)) = parse_load_and_run(line.trim_end()) else {
+            eprintln!("tchmem child: unrecognised instruction {line:?}");
+            std::process::exit(99);
+        };
+        // SAFETY: the library was just compiled by evcxr from the user's cell; running its code
+        // is the point of this process.
+        let library = match unsafe { libloading::Library::new(library_path) } {
+            Ok(library) => library,
+            Err(error) => {
+                eprintln!("tchmem child: cannot load {library_path}: {error:?}");
+                std::process::exit(99);
+            }
+        };
+        // SAFETY: evcxr generates this function with exactly this signature.
+        let cell: libloading::Symbol<extern "C" fn(*mut c_void) -> *mut c_void> =
+            match unsafe { library.get(function.as_bytes()) } {
+                Ok(cell) => cell,
+                Err(error) => {
+                    eprintln!("tchmem child: cannot find {function} in {library_path}: {error}");
+                    std::process::exit(99);
+                }
+            };
+        hooks.before_cell();
+        variable_store = cell(variable_store);
+        hooks.after_cell();
+        hooks.write_line(EXECUTION_COMPLETE);
+        libraries.push(library);
+    }
+}
+
+/// Splits `LOAD_AND_RUN <library> <function>`.
+fn parse_load_and_run(line: &str) -> Option<(&str, &str)> {
+    let mut parts = line.strip_prefix("LOAD_AND_RUN ")?.split(' ');
+    let (library, function) = (parts.next()?, parts.next()?);
+    (parts.next().is_none() && !library.is_empty() && !function.is_empty())
+        .then_some((library, function))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_load_and_run;
+
+    #[test]
+    fn parses_the_evcxr_instruction() {
+        assert_eq!(
+            parse_load_and_run("LOAD_AND_RUN /tmp/x/libcode_3.so run_user_code_3"),
+            Some(("/tmp/x/libcode_3.so", "run_user_code_3"))
+        );
+        assert_eq!(parse_load_and_run("LOAD_AND_RUN /tmp/x.so"), None);
+        assert_eq!(parse_load_and_run("RUN /tmp/x.so f"), None);
+    }
+}

@@ -1,0 +1,110 @@
+//! Command line: `tchmem kernel | install | execute`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::engine::{workdir, Engine, EngineConfig};
+
+/// A Jupyter kernel for Rust notebooks on tch (libtorch) that shows where GPU memory goes.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+pub struct Cli {
+    /// More log output on stderr (-v debug, -vv trace); RUST_LOG overrides it.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the kernel for a Jupyter frontend (this is what kernel.json starts).
+    Kernel {
+        /// The connection file written by Jupyter.
+        #[arg(short = 'f', long)]
+        connection_file: PathBuf,
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
+    /// Install the kernelspec so that Jupyter offers "Rust (tchmem)".
+    Install(crate::install::InstallArgs),
+    /// Run a notebook headless through the same engine and write it back with its outputs.
+    Execute {
+        /// The notebook to run (nbformat 4).
+        notebook: PathBuf,
+        /// Where to write the executed notebook [default: overwrite NOTEBOOK].
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Run every cell even after one fails (the exit status still reports the failure).
+        #[arg(long)]
+        allow_errors: bool,
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
+}
+
+/// Options shared by the commands that run cells.
+#[derive(Args)]
+struct EngineArgs {
+    /// libtorch to use [default: $LIBTORCH, else torch in the project venv, else python3's torch].
+    #[arg(long, value_name = "DIR")]
+    libtorch: Option<PathBuf>,
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Kernel {
+            connection_file,
+            engine,
+        } => {
+            let (engine, _workdir) = start_engine(&engine)?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")?;
+            runtime.block_on(crate::kernel::serve(&connection_file, engine.clone()))?;
+            engine.stop_child();
+            // Blocking tasks (a pending input request) must not hold the exit.
+            runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+            Ok(())
+        }
+        Command::Install(args) => crate::install::install(&args),
+        Command::Execute {
+            notebook,
+            output,
+            allow_errors,
+            engine,
+        } => {
+            let cells = crate::notebook::load(&notebook)?;
+            let (engine, _workdir) = start_engine(&engine)?;
+            let output = output.unwrap_or_else(|| notebook.clone());
+            let result = crate::notebook::execute(&engine, cells, &output, allow_errors);
+            engine.stop_child();
+            result
+        }
+    }
+}
+
+/// Prepares the process environment and starts the engine thread. The returned workdir lock
+/// must live as long as the engine.
+fn start_engine(args: &EngineArgs) -> anyhow::Result<(Engine, workdir::Workdir)> {
+    let root = std::env::var_os("TCHMEM_WORKDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::libtorch::cache_dir().join("evcxr"));
+    let workdir = workdir::acquire(root)?;
+    let config = EngineConfig::discover(args.libtorch.as_deref(), workdir.path.clone());
+    config.apply_to_process_environment();
+    tracing::info!(
+        "compiling cells in {} with libtorch {}",
+        workdir.path.display(),
+        config
+            .libtorch
+            .as_ref()
+            .map_or("(none)".into(), |p| p.display().to_string())
+    );
+    Ok((Engine::start(config), workdir))
+}

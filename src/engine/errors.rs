@@ -1,0 +1,222 @@
+//! Turning evcxr's failures into Jupyter errors (ename, evalue, traceback) that explain
+//! themselves.
+
+use evcxr::{CompilationError, Error as EvcxrError};
+
+use super::streams::{Leftovers, PanicReport};
+
+/// A failed cell, as Jupyter shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CellError {
+    /// Short name of the kind of failure.
+    pub ename: String,
+    /// One-line explanation.
+    pub evalue: String,
+    /// The full report, one entry per line (may hold ANSI colours).
+    pub traceback: Vec<String>,
+}
+
+impl CellError {
+    /// An error with the given name and message and a traceback that repeats them.
+    pub fn new(ename: &str, evalue: impl Into<String>) -> Self {
+        let evalue = evalue.into();
+        let traceback = std::iter::once(format!("{ename}: {}", first_line(&evalue)))
+            .chain(evalue.lines().skip(1).map(str::to_string))
+            .collect();
+        Self {
+            ename: ename.into(),
+            evalue,
+            traceback,
+        }
+    }
+}
+
+/// Why the child went away, as the engine knows it.
+pub enum Termination {
+    /// The user asked to interrupt the cell.
+    Interrupted,
+    /// Nobody asked: the child crashed or was killed from outside.
+    Crashed,
+}
+
+/// Renders an evcxr error raised while running `code`.
+pub fn from_evcxr(error: EvcxrError, code: &str, termination: Termination) -> CellError {
+    match error {
+        EvcxrError::CompilationErrors(errors) => compilation(&errors, code),
+        EvcxrError::SubprocessTerminated(details) => match termination {
+            Termination::Interrupted => CellError::new(
+                "Interrupted",
+                "The cell was interrupted. Rust code cannot be stopped safely in the middle, so \
+                 the process running cells was stopped: all variables were lost. The next cell \
+                 runs in a fresh process.",
+            ),
+            Termination::Crashed => CellError::new(
+                "ChildProcessCrashed",
+                format!(
+                    "The process running cells died, so all variables were lost; the next cell \
+                     runs in a fresh process.\n{}",
+                    details.trim()
+                ),
+            ),
+        },
+        EvcxrError::TypeRedefinedVariablesLost(variables) => CellError::new(
+            "VariablesLost",
+            format!(
+                "A type was redefined, so these variables of the old type were lost: {}",
+                variables.join(", ")
+            ),
+        ),
+        EvcxrError::Message(message) => CellError::new("Error", message),
+    }
+}
+
+/// A panic caught in the cell: the last one the runtime's hook reported, else the one the
+/// default hook wrote to stderr (when the runtime is not loaded).
+pub fn panic(leftovers: &Leftovers) -> CellError {
+    let message = match leftovers.panics.last() {
+        // A location in the cell's generated crate (src/lib.rs) means nothing to the user.
+        Some(panic) => match panic.location.as_deref() {
+            Some(location) if !location.starts_with("src/lib.rs:") => {
+                format!("{} (at {location})", panic.message)
+            }
+            _ => panic.message.clone(),
+        },
+        None => panic_message(&leftovers.stderr).unwrap_or_else(|| "the cell panicked".into()),
+    };
+    let mut error = CellError::new("Panic", message);
+    error.traceback.push(
+        "Variables defined in this cell were dropped; variables from earlier cells are intact."
+            .into(),
+    );
+    error
+}
+
+/// A panic as the default hook would have printed it.
+pub fn describe_panic(panic: &PanicReport) -> String {
+    let location = panic.location.as_deref().unwrap_or("an unknown location");
+    format!(
+        "thread '{}' panicked at {location}:\n{}\n",
+        panic.thread, panic.message
+    )
+}
+
+/// Extracts the message of the last panic in a cell's stderr: the lines after
+/// `thread '…' panicked at file:line:col:` up to the backtrace note.
+fn panic_message(stderr: &str) -> Option<String> {
+    let lines: Vec<&str> = stderr.lines().collect();
+    let start = lines
+        .iter()
+        .rposition(|line| line.starts_with("thread '") && line.contains("' panicked at "))?;
+    let message: Vec<&str> = lines[start + 1..]
+        .iter()
+        .take_while(|line| !line.starts_with("note: ") && !line.starts_with("stack backtrace:"))
+        .copied()
+        .collect();
+    let location = lines[start]
+        .split_once(" panicked at ")
+        .map(|(_, at)| at.trim_end_matches(':'))
+        .unwrap_or_default();
+    let message = message.join("\n");
+    Some(if location.is_empty() {
+        message
+    } else {
+        format!("{message} (at {location})")
+    })
+}
+
+fn compilation(errors: &[CompilationError], code: &str) -> CellError {
+    let mut traceback = Vec::new();
+    for error in errors {
+        let rendered = render_report(error, code).unwrap_or_else(|| error.rendered());
+        traceback.extend(rendered.lines().map(str::to_string));
+    }
+    let evalue = errors
+        .first()
+        .map(|error| error.message())
+        .unwrap_or_else(|| "compilation failed".into());
+    CellError {
+        ename: "CompilationError".into(),
+        evalue,
+        traceback,
+    }
+}
+
+/// An ariadne report pointing into the cell's own source, as evcxr_jupyter shows it.
+fn render_report(error: &CompilationError, code: &str) -> Option<String> {
+    let file = "cell".to_string();
+    let report = error.build_report(file.clone(), code.to_string(), evcxr::Theme::Light)?;
+    let mut out = Vec::new();
+    report
+        .write((file, ariadne::Source::from(code)), &mut out)
+        .ok()?;
+    String::from_utf8(out).ok()
+}
+
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_message_and_location_come_from_stderr() {
+        let stderr = "some output\nthread '<unnamed>' panicked at src/lib.rs:12:5:\nboom: 3\n\
+                      note: run with `RUST_BACKTRACE=1`\n";
+        let error = panic(&Leftovers {
+            stderr: stderr.into(),
+            panics: Vec::new(),
+        });
+        assert_eq!(error.ename, "Panic");
+        assert_eq!(error.evalue, "boom: 3 (at src/lib.rs:12:5)");
+        assert!(error
+            .traceback
+            .last()
+            .unwrap()
+            .contains("earlier cells are intact"));
+    }
+
+    #[test]
+    fn hook_reports_take_precedence_over_stderr() {
+        let leftovers = Leftovers {
+            stderr: "thread 'main' panicked at x.rs:1:1:\nold\n".into(),
+            panics: vec![PanicReport {
+                thread: "<unnamed>".into(),
+                message: "index out of bounds".into(),
+                location: Some("src/lib.rs:3:1".into()),
+            }],
+        };
+        assert_eq!(panic(&leftovers).evalue, "index out of bounds");
+        let mut in_a_crate = leftovers;
+        in_a_crate.panics[0].location = Some("tch-0.24.0/src/tensor.rs:9:9".into());
+        assert_eq!(
+            panic(&in_a_crate).evalue,
+            "index out of bounds (at tch-0.24.0/src/tensor.rs:9:9)"
+        );
+    }
+
+    #[test]
+    fn panic_without_message_still_explains() {
+        assert_eq!(panic(&Leftovers::default()).evalue, "the cell panicked");
+    }
+
+    #[test]
+    fn crash_and_interrupt_say_variables_were_lost() {
+        let crash = from_evcxr(
+            EvcxrError::SubprocessTerminated("signal: 11".into()),
+            "",
+            Termination::Crashed,
+        );
+        assert_eq!(crash.ename, "ChildProcessCrashed");
+        assert!(
+            crash.evalue.contains("variables were lost") && crash.evalue.contains("signal: 11")
+        );
+        let interrupt = from_evcxr(
+            EvcxrError::SubprocessTerminated(String::new()),
+            "",
+            Termination::Interrupted,
+        );
+        assert_eq!(interrupt.ename, "Interrupted");
+    }
+}

@@ -1,0 +1,197 @@
+//! The engine thread's side: owns the evcxr context and runs jobs.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use evcxr::{CommandContext, EvalCallbacks};
+
+use super::errors::{self, CellError, Termination};
+use super::positions::{byte_to_char, char_to_byte};
+use super::setup::{create_context, EngineConfig};
+use super::streams::{CellOutput, StreamName, StreamPump};
+use super::{CellIo, CellOutcome, CompletionOutcome, Control, InspectOutcome};
+use tchmem_wire::{CellReport, CELL_REPORT_MIME};
+
+/// How long to wait for the end of a cell's stderr after the cell returned.
+const STDERR_GRACE: Duration = Duration::from_secs(5);
+
+/// The evcxr context and what goes with it.
+pub struct Session {
+    context: Option<(CommandContext, StreamPump)>,
+    /// Told to the user with the next cell's output (tch missing, prelude failed, …).
+    notices: Vec<String>,
+    /// Why the context could not be created; every cell reports it.
+    fatal: Option<String>,
+    control: Arc<Control>,
+}
+
+impl Session {
+    /// Creates the context and compiles the prelude.
+    pub fn start(config: EngineConfig, control: Arc<Control>) -> Session {
+        let started = Instant::now();
+        let mut session = Session {
+            context: None,
+            notices: Vec::new(),
+            fatal: None,
+            control,
+        };
+        match create_context(&config) {
+            Ok((context, outputs)) => {
+                *session
+                    .control
+                    .child
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(context.process_handle());
+                let pump = StreamPump::start(outputs.stdout, outputs.stderr);
+                session.context = Some((context, pump));
+            }
+            Err(error) => {
+                tracing::error!("{error:#}");
+                session.fatal = Some(format!("{error:#}"));
+                return session;
+            }
+        }
+        if let Some(problem) = &config.libtorch_problem {
+            session
+                .notices
+                .push(format!("tch is not available in this kernel: {problem}"));
+        }
+        if let Some(prelude) = config.prelude() {
+            tracing::info!("compiling the prelude (tch {})", super::setup::TCH_VERSION);
+            let sink: super::OutputSink = Arc::new(|output| tracing::debug!("prelude: {output:?}"));
+            let outcome = session.execute(
+                &prelude,
+                CellIo {
+                    output: sink,
+                    input: None,
+                },
+            );
+            if let Some(error) = outcome.error {
+                session.notices.push(format!(
+                    "tch could not be added to this kernel: {}\n{}",
+                    error.evalue,
+                    error.traceback.join("\n")
+                ));
+            }
+        }
+        tracing::info!("engine ready in {:.1} s", started.elapsed().as_secs_f64());
+        session
+    }
+
+    /// Runs one cell.
+    pub fn execute(&mut self, code: &str, io: CellIo) -> CellOutcome {
+        for notice in self.notices.drain(..) {
+            (io.output)(CellOutput::Stream(
+                StreamName::Stderr,
+                format!("{notice}\n"),
+            ));
+        }
+        let Some((context, pump)) = self.context.as_mut() else {
+            let why = self.fatal.clone().unwrap_or_default();
+            return CellOutcome {
+                error: Some(CellError::new("KernelNotReady", why)),
+                ..Default::default()
+            };
+        };
+        pump.attach(Arc::clone(&io.output));
+        let input = io.input;
+        let mut callbacks = EvalCallbacks {
+            input_reader: &move |request| match &input {
+                Some(ask) => ask(&request.prompt, request.is_password),
+                None => String::new(),
+            },
+        };
+        self.control
+            .interrupt_requested
+            .store(false, Ordering::SeqCst);
+        self.control.running.store(true, Ordering::SeqCst);
+        let result = context.execute_with_callbacks(code, &mut callbacks);
+        self.control.running.store(false, Ordering::SeqCst);
+        let interrupted = self
+            .control
+            .interrupt_requested
+            .swap(false, Ordering::SeqCst);
+
+        let mut outcome = CellOutcome::default();
+        match result {
+            Ok(outputs) => {
+                let mut data = outputs.content_by_mime_type;
+                outcome.report = data
+                    .remove(CELL_REPORT_MIME)
+                    .and_then(|json| serde_json::from_str::<CellReport>(&json).ok());
+                outcome.data = data.into_iter().collect();
+                if let Some(timing) = outputs.timing {
+                    let took = format!("Took {}ms\n", timing.as_millis());
+                    (io.output)(CellOutput::Stream(StreamName::Stdout, took));
+                }
+            }
+            Err(error) => {
+                let termination = if interrupted {
+                    Termination::Interrupted
+                } else {
+                    Termination::Crashed
+                };
+                outcome.error = Some(errors::from_evcxr(error, code, termination));
+            }
+        }
+        let token = outcome.report.as_ref().map(|r| r.sync_token.as_str());
+        let leftovers = pump.detach(token, STDERR_GRACE);
+        let panicked = outcome.report.as_ref().is_some_and(|r| r.panicked);
+        if panicked {
+            outcome.error = Some(errors::panic(&leftovers));
+        } else {
+            // Panics the cell survived (a worker thread's, a caught one) are still worth seeing.
+            for panic in &leftovers.panics {
+                (io.output)(CellOutput::Stream(
+                    StreamName::Stderr,
+                    errors::describe_panic(panic),
+                ));
+            }
+        }
+        outcome
+    }
+
+    /// Completions at a character cursor.
+    pub fn complete(&mut self, code: &str, cursor: usize) -> CompletionOutcome {
+        let Some((context, _)) = self.context.as_mut() else {
+            return CompletionOutcome::default();
+        };
+        let byte = char_to_byte(code, cursor);
+        match context.completions(code, byte) {
+            Ok(found) => CompletionOutcome {
+                matches: found.completions.into_iter().map(|c| c.code).collect(),
+                start: byte_to_char(code, found.start_offset),
+                end: byte_to_char(code, found.end_offset),
+            },
+            Err(error) => {
+                tracing::debug!("completion failed: {error}");
+                CompletionOutcome {
+                    start: cursor,
+                    end: cursor,
+                    ..Default::default()
+                }
+            }
+        }
+    }
+
+    /// Hover documentation at a character cursor.
+    pub fn inspect(&mut self, code: &str, cursor: usize) -> InspectOutcome {
+        let Some((context, _)) = self.context.as_mut() else {
+            return InspectOutcome::default();
+        };
+        // rust-analyzer hovers the token before the offset; extend to the end of the word so
+        // that a cursor in the middle of a name still finds it.
+        let mut byte = char_to_byte(code, cursor);
+        byte += code[byte..]
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(code.len() - byte);
+        match context.hover_at(code, byte) {
+            Ok((plain, html)) => InspectOutcome { plain, html },
+            Err(error) => {
+                tracing::debug!("inspect failed: {error}");
+                InspectOutcome::default()
+            }
+        }
+    }
+}

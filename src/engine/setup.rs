@@ -1,0 +1,147 @@
+//! Creating the evcxr context: the child command, the environment, and the prelude that makes
+//! tch and the tchmem runtime available in every cell without set-up.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::Context;
+use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
+
+use crate::child::CHILD_ENV;
+
+/// The tch version the runtime crate and cells use (it must match libtorch 2.11).
+pub const TCH_VERSION: &str = "0.24.0";
+
+/// How the engine is set up.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// libtorch to build and run cells against; `None` when it was not found (cells then run
+    /// plain Rust, and the first cell says why tch is missing).
+    pub libtorch: Option<PathBuf>,
+    /// Why libtorch is missing, for the user.
+    pub libtorch_problem: Option<String>,
+    /// The `tchmem-runtime` crate, added to every cell's dependencies.
+    pub runtime_crate: PathBuf,
+    /// Where evcxr compiles cells (see [`super::workdir`]).
+    pub workdir: PathBuf,
+}
+
+impl EngineConfig {
+    /// Finds libtorch (see [`crate::libtorch::find`]) and the runtime crate.
+    pub fn discover(libtorch: Option<&Path>, workdir: PathBuf) -> EngineConfig {
+        let (libtorch, libtorch_problem) = match crate::libtorch::find(libtorch) {
+            Ok(found) => (Some(found), None),
+            Err(error) => (None, Some(format!("{error:#}"))),
+        };
+        EngineConfig {
+            libtorch,
+            libtorch_problem,
+            runtime_crate: runtime_crate_dir(),
+            workdir,
+        }
+    }
+
+    /// Sets the variables that evcxr and cargo (torch-sys' build script) read. Call before
+    /// starting threads: the environment is process-wide.
+    pub fn apply_to_process_environment(&self) {
+        std::env::set_var("EVCXR_TMPDIR", &self.workdir);
+        if let Some(libtorch) = &self.libtorch {
+            std::env::set_var("LIBTORCH", libtorch);
+        }
+        add_cargo_to_path();
+    }
+
+    /// Directories the child's dynamic loader must search: libtorch, Rust's standard library
+    /// (cells link it dynamically) and the cells' compiled dependencies. The run paths rustc
+    /// writes into cell libraries are relative to `deps/`, and break when cargo copies the
+    /// library one level up while the compile directory shares a prefix with the toolchain's
+    /// (both under $HOME), so they cannot be relied on.
+    fn child_library_path(&self) -> anyhow::Result<String> {
+        let sysroot = rustc_output(&["--print", "sysroot"])?;
+        let host = rustc_output(&["-vV"])?
+            .lines()
+            .find_map(|line| line.strip_prefix("host: ").map(str::to_string))
+            .context("rustc -vV printed no host")?;
+        let mut dirs = vec![
+            PathBuf::from(&sysroot)
+                .join("lib/rustlib")
+                .join(&host)
+                .join("lib"),
+            self.workdir.join("target").join(&host).join("debug/deps"),
+        ];
+        if let Some(libtorch) = &self.libtorch {
+            dirs.insert(0, libtorch.join("lib"));
+        }
+        let mut path = std::env::join_paths(&dirs)?
+            .into_string()
+            .map_err(|_| anyhow::anyhow!("library paths are not UTF-8"))?;
+        if let Ok(existing) = std::env::var("LD_LIBRARY_PATH") {
+            if !existing.is_empty() {
+                path = format!("{path}:{existing}");
+            }
+        }
+        Ok(path)
+    }
+
+    /// The `:dep` lines every session starts with.
+    pub fn prelude(&self) -> Option<String> {
+        self.libtorch.as_ref()?;
+        Some(format!(
+            ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
+             // Build and load everything now rather than in the user's first cell.\n\
+             drop(tch::Tensor::from(0i64));\n\
+             tchmem::__kernel_session_start();\n",
+            self.runtime_crate.display()
+        ))
+    }
+}
+
+/// `$TCHMEM_RUNTIME_DIR`, else the `runtime/` crate beside this binary's sources.
+fn runtime_crate_dir() -> PathBuf {
+    std::env::var_os("TCHMEM_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
+}
+
+/// Creates the evcxr context whose child is this binary in child mode.
+pub fn create_context(
+    config: &EngineConfig,
+) -> anyhow::Result<(CommandContext, EvalContextOutputs)> {
+    let exe = std::env::current_exe().context("cannot locate the tchmem binary")?;
+    let mut child = Command::new(exe);
+    child
+        .env(CHILD_ENV, "1")
+        .env("LD_LIBRARY_PATH", config.child_library_path()?);
+    let (context, outputs) = EvalContext::with_subprocess_command(child).map_err(|error| {
+        anyhow::anyhow!(
+            "cannot start the Rust evaluator: {error}\nIt needs cargo and rustc on PATH and the \
+             rust-src component (`rustup component add rust-src`)."
+        )
+    })?;
+    Ok((CommandContext::with_eval_context(context), outputs))
+}
+
+fn rustc_output(args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("rustc")
+        .args(args)
+        .output()
+        .context("cannot run rustc: is a Rust toolchain on PATH?")?;
+    anyhow::ensure!(output.status.success(), "rustc {} failed", args.join(" "));
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Kernels started from a desktop launcher often lack ~/.cargo/bin on PATH; evcxr needs cargo.
+fn add_cargo_to_path() {
+    let Some(home) = std::env::var_os("HOME") else {
+        return;
+    };
+    let cargo_bin = Path::new(&home).join(".cargo/bin");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let on_path = std::env::split_paths(&path).any(|dir| dir.join("cargo").is_file());
+    if !on_path && cargo_bin.join("cargo").is_file() {
+        let dirs = std::iter::once(cargo_bin).chain(std::env::split_paths(&path));
+        if let Ok(joined) = std::env::join_paths(dirs) {
+            std::env::set_var("PATH", joined);
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! The shell channel: requests handled one at a time, each wrapped in busy/idle.
+
+use std::sync::Arc;
+
+use jupyter_protocol::{
+    ClearOutput, CommInfoReply, CompleteReply, DisplayData, ErrorOutput, ExecuteInput,
+    ExecuteReply, ExecuteRequest, ExecuteResult, ExecutionCount, HistoryReply, InspectReply,
+    IsCompleteReply, IsCompleteReplyStatus, JupyterMessage, JupyterMessageContent, Media,
+    ReplyError, ReplyStatus, Stdio, Transient, UpdateDisplayData,
+};
+use serde_json::{Map, Value};
+
+use super::history::History;
+use super::is_complete::{judge, Completeness};
+use super::stdin::StdinBridge;
+use super::{info, Iopub};
+use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, InputFn, OutputSink, StreamName};
+
+/// State of the shell channel.
+pub struct Shell {
+    engine: Engine,
+    iopub: Iopub,
+    stdin: StdinBridge,
+    execution_count: ExecutionCount,
+    history: History,
+}
+
+impl Shell {
+    /// A shell handler that runs cells on `engine`.
+    pub fn new(engine: Engine, iopub: Iopub, stdin: StdinBridge) -> Self {
+        Self {
+            engine,
+            iopub,
+            stdin,
+            execution_count: ExecutionCount::new(0),
+            history: History::default(),
+        }
+    }
+
+    /// Handles one request; returns the reply to send on the shell socket.
+    pub async fn handle(&mut self, request: &JupyterMessage) -> Option<JupyterMessage> {
+        let reply: JupyterMessageContent = match &request.content {
+            JupyterMessageContent::KernelInfoRequest(_) => {
+                JupyterMessageContent::KernelInfoReply(Box::new(info::kernel_info()))
+            }
+            JupyterMessageContent::ExecuteRequest(execute) => {
+                self.execute(request, execute).await.into()
+            }
+            JupyterMessageContent::CompleteRequest(complete) => {
+                let found = self
+                    .engine
+                    .complete(complete.code.clone(), complete.cursor_pos)
+                    .await
+                    .unwrap_or_default();
+                CompleteReply {
+                    matches: found.matches,
+                    cursor_start: found.start,
+                    cursor_end: found.end,
+                    metadata: Map::new(),
+                    status: ReplyStatus::Ok,
+                    error: None,
+                }
+                .into()
+            }
+            JupyterMessageContent::InspectRequest(inspect) => {
+                let found = self
+                    .engine
+                    .inspect(inspect.code.clone(), inspect.cursor_pos)
+                    .await
+                    .unwrap_or_default();
+                let data = if found.plain.is_empty() {
+                    Media::default()
+                } else {
+                    media([
+                        ("text/plain", Value::String(found.plain)),
+                        ("text/html", Value::String(found.html)),
+                    ])
+                };
+                InspectReply {
+                    found: !data.content.is_empty(),
+                    data,
+                    metadata: Map::new(),
+                    status: ReplyStatus::Ok,
+                    error: None,
+                }
+                .into()
+            }
+            JupyterMessageContent::IsCompleteRequest(is_complete) => match judge(&is_complete.code)
+            {
+                Completeness::Complete => IsCompleteReply::complete(),
+                Completeness::Incomplete(indent) => IsCompleteReply::incomplete(indent),
+                Completeness::Invalid => {
+                    IsCompleteReply::new(IsCompleteReplyStatus::Invalid, String::new())
+                }
+            }
+            .into(),
+            JupyterMessageContent::HistoryRequest(history) => {
+                HistoryReply::new(self.history.query(history)).into()
+            }
+            JupyterMessageContent::CommInfoRequest(_) => CommInfoReply {
+                status: ReplyStatus::Ok,
+                comms: Default::default(),
+                error: None,
+            }
+            .into(),
+            other => {
+                tracing::info!("unsupported shell request {}", other.message_type());
+                return None;
+            }
+        };
+        Some(JupyterMessage::new(reply, Some(request)))
+    }
+
+    async fn execute(&mut self, parent: &JupyterMessage, request: &ExecuteRequest) -> ExecuteReply {
+        let silent = request.silent;
+        if request.store_history && !silent {
+            self.execution_count.increment();
+        }
+        let count = self.execution_count;
+        if !silent {
+            self.iopub.publish(
+                ExecuteInput {
+                    code: request.code.clone(),
+                    execution_count: count,
+                },
+                parent,
+            );
+        }
+        let io = CellIo {
+            output: self.output_sink(parent, silent),
+            input: request.allow_stdin.then(|| self.input_fn(parent)),
+        };
+        let outcome = self
+            .engine
+            .execute(request.code.clone(), io)
+            .await
+            .unwrap_or_else(|_| CellOutcome {
+                error: Some(crate::engine::CellError::new(
+                    "KernelError",
+                    "the engine stopped unexpectedly",
+                )),
+                ..Default::default()
+            });
+        if request.store_history && !silent {
+            let plain = outcome.data.get("text/plain").cloned().unwrap_or_default();
+            self.history.record(&request.code, &plain);
+        }
+        let mut reply = ExecuteReply {
+            status: ReplyStatus::Ok,
+            execution_count: count,
+            payload: Vec::new(),
+            user_expressions: Some(Default::default()),
+            error: None,
+        };
+        if let Some(error) = outcome.error {
+            if !silent {
+                self.iopub.publish(
+                    ErrorOutput {
+                        ename: error.ename.clone(),
+                        evalue: error.evalue.clone(),
+                        traceback: error.traceback.clone(),
+                    },
+                    parent,
+                );
+            }
+            reply.status = ReplyStatus::Error;
+            reply.error = Some(Box::new(ReplyError {
+                ename: error.ename,
+                evalue: error.evalue,
+                traceback: error.traceback,
+            }));
+        } else if !outcome.data.is_empty() && !silent {
+            let data = media(
+                outcome
+                    .data
+                    .into_iter()
+                    .map(|(mime, text)| (mime.clone(), mime_value(&mime, text))),
+            );
+            self.iopub.publish(ExecuteResult::new(count, data), parent);
+        }
+        // Everything the cell published precedes its reply.
+        self.iopub.flush().await;
+        reply
+    }
+
+    fn output_sink(&self, parent: &JupyterMessage, silent: bool) -> OutputSink {
+        let iopub = self.iopub.clone();
+        let parent = parent.clone();
+        Arc::new(move |output| {
+            if silent {
+                return;
+            }
+            match output {
+                CellOutput::Stream(name, text) => {
+                    let name = match name {
+                        StreamName::Stdout => Stdio::Stdout,
+                        StreamName::Stderr => Stdio::Stderr,
+                    };
+                    iopub.stream(&parent, name, text);
+                }
+                CellOutput::ClearOutput { wait } => {
+                    iopub.publish(ClearOutput { wait }, &parent);
+                }
+                CellOutput::Display(display) => {
+                    let data = media(display.data);
+                    match display.display_id {
+                        Some(id) if display.update => iopub.publish(
+                            UpdateDisplayData {
+                                data,
+                                metadata: display.metadata,
+                                transient: Transient {
+                                    display_id: Some(id),
+                                },
+                            },
+                            &parent,
+                        ),
+                        id => iopub.publish(
+                            DisplayData {
+                                data,
+                                metadata: display.metadata,
+                                transient: id.map(|id| Transient {
+                                    display_id: Some(id),
+                                }),
+                            },
+                            &parent,
+                        ),
+                    }
+                }
+            }
+        })
+    }
+
+    fn input_fn(&self, parent: &JupyterMessage) -> InputFn {
+        let stdin = self.stdin.clone();
+        let parent = parent.clone();
+        Box::new(move |prompt, password| stdin.ask_blocking(&parent, prompt, password))
+    }
+}
+
+/// A Media bundle from MIME → value pairs.
+fn media<K: Into<String>>(entries: impl IntoIterator<Item = (K, Value)>) -> Media {
+    let map: Map<String, Value> = entries.into_iter().map(|(k, v)| (k.into(), v)).collect();
+    serde_json::from_value(Value::Object(map)).unwrap_or_default()
+}
+
+/// evcxr hands every representation over as text; JSON ones are sent as JSON.
+fn mime_value(mime: &str, text: String) -> Value {
+    let is_json = mime == "application/json" || mime.ends_with("+json");
+    if is_json {
+        if let Ok(value) = serde_json::from_str(&text) {
+            return value;
+        }
+    }
+    Value::String(text)
+}

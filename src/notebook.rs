@@ -1,0 +1,205 @@
+//! `tchmem execute`: runs a notebook's code cells in order through the engine and writes the
+//! outputs back in nbformat 4, as a Jupyter frontend would have recorded them.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Map, Value};
+
+use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, StreamName};
+
+/// Outputs of one cell in nbformat 4 form, with where each display id went.
+#[derive(Default)]
+struct Outputs {
+    list: Vec<Value>,
+    by_display_id: HashMap<String, usize>,
+    /// A `clear_output(wait=True)` is pending.
+    clear_on_next: bool,
+}
+
+impl Outputs {
+    fn clear(&mut self) {
+        self.list.clear();
+        self.by_display_id.clear();
+        self.clear_on_next = false;
+    }
+
+    fn add(&mut self, output: CellOutput) {
+        if self.clear_on_next && !matches!(output, CellOutput::ClearOutput { .. }) {
+            self.clear();
+        }
+        match output {
+            CellOutput::Stream(name, text) => {
+                let name = match name {
+                    StreamName::Stdout => "stdout",
+                    StreamName::Stderr => "stderr",
+                };
+                // Consecutive text of one stream is one output, as Jupyter merges it.
+                if let Some(last) = self.list.last_mut() {
+                    if last["output_type"] == "stream" && last["name"] == name {
+                        let joined = format!("{}{text}", last["text"].as_str().unwrap_or_default());
+                        last["text"] = json!(joined);
+                        return;
+                    }
+                }
+                self.list
+                    .push(json!({"output_type": "stream", "name": name, "text": text}));
+            }
+            CellOutput::ClearOutput { wait } => {
+                if wait {
+                    self.clear_on_next = true;
+                } else {
+                    self.clear();
+                }
+            }
+            CellOutput::Display(display) => {
+                let output = json!({
+                    "output_type": "display_data",
+                    "data": display.data,
+                    "metadata": display.metadata,
+                });
+                let existing = display
+                    .display_id
+                    .as_ref()
+                    .and_then(|id| self.by_display_id.get(id).copied());
+                match existing {
+                    Some(index) if display.update => self.list[index] = output,
+                    _ if display.update => {} // updating a display this cell never showed
+                    _ => {
+                        if let Some(id) = display.display_id {
+                            self.by_display_id.insert(id, self.list.len());
+                        }
+                        self.list.push(output);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads and checks a notebook before any time is spent starting the engine.
+pub fn load(path: &Path) -> anyhow::Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let notebook: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a notebook (invalid JSON)", path.display()))?;
+    if notebook["nbformat"].as_u64() != Some(4) {
+        bail!("{} is not an nbformat 4 notebook", path.display());
+    }
+    if !notebook["cells"].is_array() {
+        bail!(
+            "{} is not a notebook: it has no list of cells",
+            path.display()
+        );
+    }
+    Ok(notebook)
+}
+
+/// Runs the code cells of `notebook` (from [`load`]) and writes it with outputs to `output`.
+/// Stops at the first failing cell unless `allow_errors`; a failure makes the result an error
+/// either way, after the notebook is written.
+pub fn execute(
+    engine: &Engine,
+    mut notebook: Value,
+    output: &Path,
+    allow_errors: bool,
+) -> anyhow::Result<()> {
+    let cells = notebook["cells"].as_array_mut().context("no cells")?;
+
+    let mut failures = Vec::new();
+    let mut execution_count = 0;
+    for (index, cell) in cells.iter_mut().enumerate() {
+        if cell["cell_type"] != "code" {
+            continue;
+        }
+        let code = source_text(&cell["source"]);
+        if failures.is_empty() || allow_errors {
+            execution_count += 1;
+            eprintln!("[tchmem] cell {}: running", index + 1);
+            let (outputs, outcome) = run_cell(engine, code);
+            let mut outputs = outputs;
+            if let Some(error) = &outcome.error {
+                failures.push(format!(
+                    "cell {}: {}: {}",
+                    index + 1,
+                    error.ename,
+                    error.evalue
+                ));
+                outputs.push(json!({
+                    "output_type": "error",
+                    "ename": error.ename,
+                    "evalue": error.evalue,
+                    "traceback": error.traceback,
+                }));
+            } else if !outcome.data.is_empty() {
+                let data: Map<String, Value> = outcome
+                    .data
+                    .into_iter()
+                    .map(|(mime, text)| (mime, Value::String(text)))
+                    .collect();
+                outputs.push(json!({
+                    "output_type": "execute_result",
+                    "execution_count": execution_count,
+                    "data": data,
+                    "metadata": {},
+                }));
+            }
+            cell["outputs"] = Value::Array(outputs);
+            cell["execution_count"] = json!(execution_count);
+        } else {
+            cell["outputs"] = json!([]);
+            cell["execution_count"] = Value::Null;
+        }
+    }
+    notebook["metadata"]["kernelspec"] =
+        json!({"name": "tchmem", "display_name": "Rust (tchmem)", "language": "rust"});
+    notebook["metadata"]["language_info"] = json!({
+        "name": "rust", "mimetype": "text/rust", "file_extension": ".rs",
+        "pygments_lexer": "rust", "codemirror_mode": "rust",
+    });
+    std::fs::write(output, serde_json::to_string_pretty(&notebook)? + "\n")
+        .with_context(|| format!("cannot write {}", output.display()))?;
+    eprintln!("[tchmem] wrote {}", output.display());
+    if !failures.is_empty() {
+        bail!(
+            "{} cell(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+    }
+    Ok(())
+}
+
+fn run_cell(engine: &Engine, code: String) -> (Vec<Value>, CellOutcome) {
+    let outputs = Arc::new(Mutex::new(Outputs::default()));
+    let sink = Arc::clone(&outputs);
+    let io = CellIo {
+        output: Arc::new(move |output| {
+            sink.lock().unwrap_or_else(|e| e.into_inner()).add(output);
+        }),
+        input: None,
+    };
+    let outcome = engine
+        .execute(code, io)
+        .blocking_recv()
+        .unwrap_or_else(|_| CellOutcome {
+            error: Some(crate::engine::CellError::new(
+                "KernelError",
+                "the engine stopped",
+            )),
+            ..Default::default()
+        });
+    let list = std::mem::take(&mut outputs.lock().unwrap_or_else(|e| e.into_inner()).list);
+    (list, outcome)
+}
+
+/// nbformat stores source as a string or a list of lines.
+fn source_text(source: &Value) -> String {
+    match source {
+        Value::String(text) => text.clone(),
+        Value::Array(lines) => lines.iter().filter_map(Value::as_str).collect(),
+        _ => String::new(),
+    }
+}

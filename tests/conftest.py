@@ -1,0 +1,80 @@
+"""Shared set-up for the tests that drive a real tchmem kernel through real Jupyter clients.
+
+The kernel binary comes from $TCHMEM_BIN (scripts/test sets it). A kernelspec named
+"tchmem-test" is installed into a temporary prefix that JUPYTER_PATH puts first, so that no other
+installed tchmem kernelspec can be picked up by mistake."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+KERNEL_NAME = "tchmem-test"
+# The first cell of a kernel waits for the prelude (tch) to compile: minutes on a cold machine.
+FIRST_CELL_TIMEOUT = 900
+CELL_TIMEOUT = 120
+
+_prefix = Path(tempfile.mkdtemp(prefix="tchmem-kernelspec-"))
+
+
+def tchmem_bin() -> str:
+    path = os.environ.get("TCHMEM_BIN")
+    if not path or not Path(path).is_file():
+        raise RuntimeError("set TCHMEM_BIN to the built tchmem binary (scripts/test does)")
+    return path
+
+
+def pytest_configure(config):
+    subprocess.run(
+        [tchmem_bin(), "install", "--prefix", str(_prefix), "--name", KERNEL_NAME],
+        check=True,
+    )
+    os.environ["JUPYTER_PATH"] = str(_prefix / "share" / "jupyter")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_prefix, ignore_errors=True)
+
+
+def execute(kc, code, timeout=CELL_TIMEOUT, **kwargs):
+    """Runs `code`; returns (reply content, iopub messages of this request up to idle)."""
+    msg_id = kc.execute(code, **kwargs)
+    reply = kc.get_shell_msg(timeout=timeout)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=timeout)
+    messages = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return reply["content"], messages
+
+
+def outputs(messages, msg_type):
+    return [m["content"] for m in messages if m["msg_type"] == msg_type]
+
+
+def stream_text(messages, name="stdout"):
+    return "".join(c["text"] for c in outputs(messages, "stream") if c["name"] == name)
+
+
+def result_text(messages):
+    results = outputs(messages, "execute_result")
+    return results[-1]["data"]["text/plain"] if results else None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """A started kernel whose prelude is compiled: (KernelManager, BlockingKernelClient)."""
+    km, kc = start_new_kernel(kernel_name=KERNEL_NAME, startup_timeout=120)
+    reply, _ = execute(kc, "1", timeout=FIRST_CELL_TIMEOUT)
+    assert reply["status"] == "ok", reply
+    yield km, kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=False)

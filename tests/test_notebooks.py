@@ -1,0 +1,84 @@
+"""The tutorial notebooks, executed headless two ways: by nbclient through the installed
+kernelspec, and by `tchmem execute` through the same engine without Jupyter."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import FIRST_CELL_TIMEOUT, KERNEL_NAME, tchmem_bin
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def output_types(notebook):
+    return [[o["output_type"] for o in cell.get("outputs", [])]
+            for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def all_text(notebook):
+    return json.dumps([cell.get("outputs", []) for cell in notebook["cells"]])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_in_nbclient_and_in_tchmem_execute_alike(path, tmp_path):
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT,
+                            startup_timeout=120)
+    client.execute()
+    errors = [o for cell in notebook.cells for o in cell.get("outputs", [])
+              if o["output_type"] == "error"]
+    assert errors == []
+
+    out = tmp_path / path.name
+    subprocess.run([tchmem_bin(), "execute", str(path), "--output", str(out)], check=True,
+                   timeout=FIRST_CELL_TIMEOUT)
+    headless = nbformat.read(out, as_version=4)
+    nbformat.validate(headless)
+    assert output_types(headless) == output_types(notebook)
+
+
+def test_hello_notebook_shows_its_results():
+    path = Path(__file__).parent.parent / "notebooks" / "00-hello-tch.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT).execute()
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    assert code[1].outputs[-1]["data"]["text/plain"] == "10.0"
+    assert "loss: first step" in all_text(notebook)
+    mimes = {m for c in code for o in c.outputs if o["output_type"] == "display_data"
+             for m in o["data"]}
+    assert {"text/html", "image/svg+xml"} <= mimes
+
+
+def test_tchmem_execute_stops_at_a_failing_cell_and_says_why(tmp_path):
+    cells = [nbformat.v4.new_code_cell("let a = 1;"),
+             nbformat.v4.new_code_cell('panic!("stop here")'),
+             nbformat.v4.new_code_cell("a + 1")]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    src = tmp_path / "failing.ipynb"
+    nbformat.write(notebook, src)
+    out = tmp_path / "out.ipynb"
+    run = subprocess.run([tchmem_bin(), "execute", str(src), "--output", str(out)],
+                         capture_output=True, text=True, timeout=FIRST_CELL_TIMEOUT)
+    assert run.returncode != 0
+    assert "cell 2: Panic: stop here" in run.stderr
+    executed = nbformat.read(out, as_version=4)
+    assert executed.cells[1].outputs[-1]["output_type"] == "error"
+    assert executed.cells[2].outputs == [] and executed.cells[2].execution_count is None
+
+    run = subprocess.run([tchmem_bin(), "execute", str(src), "--output", str(out),
+                          "--allow-errors"], capture_output=True, text=True,
+                         timeout=FIRST_CELL_TIMEOUT)
+    assert run.returncode != 0
+    executed = nbformat.read(out, as_version=4)
+    assert executed.cells[2].outputs[-1]["data"]["text/plain"] == "2"
+
+
+def test_tchmem_execute_rejects_what_is_not_a_notebook(tmp_path):
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{ not json")
+    run = subprocess.run([tchmem_bin(), "execute", str(bad)], capture_output=True, text=True)
+    assert run.returncode != 0 and "not a notebook" in run.stderr

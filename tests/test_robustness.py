@@ -1,0 +1,85 @@
+"""Bad things in cells: panics, crashes, interrupts, and input requests. The kernel explains each
+and keeps going."""
+
+import threading
+import time
+
+from conftest import CELL_TIMEOUT, execute, outputs, result_text, stream_text
+
+
+def test_a_panic_is_an_error_and_keeps_older_variables(kernel):
+    _, kc = kernel
+    reply, _ = execute(kc, "let kept = 41;")
+    assert reply["status"] == "ok"
+    reply, messages = execute(kc, 'let lost = 1;\nlet v: Vec<i32> = Vec::new();\nv[3]')
+    assert reply["status"] == "error"
+    assert reply["ename"] == "Panic"
+    assert "index out of bounds" in reply["evalue"]
+    assert len(outputs(messages, "error")) == 1
+    # The hook reports the panic as the error; no duplicate stderr text.
+    assert "panicked at" not in stream_text(messages, "stderr")
+    reply, messages = execute(kc, "kept + 1")
+    assert reply["status"] == "ok" and result_text(messages) == "42"
+    reply, _ = execute(kc, "lost")
+    assert reply["status"] == "error" and reply["ename"] == "CompilationError"
+
+
+def test_a_panic_in_a_thread_the_cell_survives_is_shown_not_fatal(kernel):
+    _, kc = kernel
+    code = 'let r = std::thread::spawn(|| panic!("worker failed")).join();\nr.is_err()'
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok" and result_text(messages) == "true"
+    assert "worker failed" in stream_text(messages, "stderr")
+
+
+def test_a_crash_of_the_child_is_reported_and_the_next_cell_works(kernel):
+    _, kc = kernel
+    execute(kc, "let before_crash = 5;")
+    reply, messages = execute(kc, "std::process::abort();")
+    assert reply["status"] == "error"
+    assert reply["ename"] == "ChildProcessCrashed"
+    assert "variables were lost" in reply["evalue"]
+    reply, messages = execute(kc, "2 + 2")
+    assert reply["status"] == "ok" and result_text(messages) == "4"
+    reply, _ = execute(kc, "before_crash")
+    assert reply["status"] == "error"
+
+
+def test_interrupt_stops_a_long_cell_within_seconds(kernel):
+    km, kc = kernel
+    msg_id = kc.execute("loop { std::thread::sleep(std::time::Duration::from_millis(10)); }")
+    # Wait until the cell runs (compiled and started), then interrupt.
+    while True:
+        msg = kc.get_iopub_msg(timeout=CELL_TIMEOUT)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+            break
+    time.sleep(3)
+    started = time.time()
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=30)
+    elapsed = time.time() - started
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "Interrupted"
+    assert elapsed < 5, f"interrupt took {elapsed:.1f} s"
+    reply, messages = execute(kc, '"alive"')
+    assert reply["status"] == "ok" and result_text(messages) == '"alive"'
+
+
+def test_input_requests_reach_the_frontend(kernel):
+    _, kc = kernel
+    answered = []
+
+    def answer():
+        msg = kc.get_stdin_msg(timeout=CELL_TIMEOUT)
+        answered.append(msg["content"]["prompt"])
+        kc.input("Ada")
+
+    responder = threading.Thread(target=answer)
+    responder.start()
+    code = 'let name = tchmem::input::get_string("name? ");\nformat!("hello {name}")'
+    reply, messages = execute(kc, code, allow_stdin=True)
+    responder.join(timeout=5)
+    assert answered == ["name? "]
+    assert reply["status"] == "ok" and result_text(messages) == '"hello Ada"'

@@ -1,0 +1,119 @@
+//! Messages that cross process boundaries inside tchmem.
+//!
+//! Three parties talk: the kernel process (engine), the child process that runs cells (its
+//! hooks), and the code of the cells themselves (through `tchmem-runtime`). They are built
+//! separately (cells are compiled at run time), so the formats live here, in one small crate
+//! they all depend on.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// MIME type of the block the child prints after each cell; the engine removes it from the
+/// cell's displayed outputs.
+pub const CELL_REPORT_MIME: &str = "application/vnd.tchmem.cell-report+json";
+
+/// Prefix of the stderr line that ends a cell's stderr; the cell's sync token follows it.
+pub const STDERR_SYNC_PREFIX: &str = "TCHMEM_STDERR_SYNC ";
+
+/// Prefix of a stdout line that carries a [`CellMessage`] as one line of JSON.
+pub const MESSAGE_PREFIX: &str = "TCHMEM_MSG ";
+
+/// The child's account of one cell.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CellReport {
+    /// Unique per cell and child process; the same token ends the cell's stderr.
+    pub sync_token: String,
+    /// The cell panicked (evcxr caught it; variables defined by the cell were dropped).
+    pub panicked: bool,
+    /// Time spent in the cell's code, without compilation.
+    pub wall_seconds: f64,
+    /// Whether libtorch's CUDA library was loaded into the child, and if not, why.
+    pub cuda_library: String,
+}
+
+/// Rich output sent from a cell while it runs (Jupyter's `display_data` or
+/// `update_display_data`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Display {
+    /// Representations by MIME type (text as strings, JSON types as JSON).
+    pub data: Map<String, Value>,
+    /// Per-MIME metadata.
+    #[serde(default)]
+    pub metadata: Map<String, Value>,
+    /// Lets a later [`Display`] with `update` replace this one in place.
+    #[serde(default)]
+    pub display_id: Option<String>,
+    /// Replace the output shown under `display_id` instead of adding one.
+    #[serde(default)]
+    pub update: bool,
+}
+
+/// What code in a cell tells the kernel while it runs, one stdout line each.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum CellMessage {
+    /// Show rich output.
+    Display(Display),
+    /// Clear the cell's output (Jupyter's `clear_output`); with `wait`, when the next output
+    /// arrives.
+    ClearOutput {
+        /// Clear only when new output arrives (avoids flicker in progress displays).
+        wait: bool,
+    },
+    /// A panic, reported by the hook the runtime installs instead of the default stderr text.
+    Panic {
+        /// The thread that panicked.
+        thread: String,
+        /// The panic payload, as text.
+        message: String,
+        /// `file:line:column`, when known.
+        location: Option<String>,
+    },
+}
+
+impl CellMessage {
+    /// The stdout line that carries this message.
+    pub fn to_line(&self) -> String {
+        // serde_json escapes newlines, so the JSON is always one line.
+        format!(
+            "{MESSAGE_PREFIX}{}",
+            serde_json::to_string(self).expect("a CellMessage always serializes")
+        )
+    }
+
+    /// Parses a stdout line; `None` if it is not a message line.
+    pub fn from_line(line: &str) -> Option<Result<CellMessage, serde_json::Error>> {
+        line.strip_prefix(MESSAGE_PREFIX)
+            .map(serde_json::from_str::<CellMessage>)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_through_one_line() {
+        let mut data = Map::new();
+        data.insert("text/html".into(), "<b>a\nb</b>".into());
+        let messages = [
+            CellMessage::Display(Display {
+                data,
+                display_id: Some("progress".into()),
+                ..Default::default()
+            }),
+            CellMessage::ClearOutput { wait: true },
+            CellMessage::Panic {
+                thread: "main".into(),
+                message: "two\nlines".into(),
+                location: Some("src/lib.rs:1:2".into()),
+            },
+        ];
+        for message in messages {
+            let line = message.to_line();
+            assert!(!line.contains('\n'));
+            assert_eq!(CellMessage::from_line(&line).unwrap().unwrap(), message);
+        }
+        assert!(CellMessage::from_line("plain output").is_none());
+    }
+}
