@@ -6,4 +6,4 @@ export TCHMEM_VENV=${TCHMEM_VENV:-$TCHMEM_CACHE/venv}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$TCHMEM_CACHE/target}
 export TCHMEM_BIN=$CARGO_TARGET_DIR/release/tchmem
 # torch-sys (cells and the runtime crate) builds against the venv's torch.
-libtorch_dir() { "$TCHMEM_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))'; }
+libtorch_dir() { "$TCHMEM_VENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])'; }

@@ -120,6 +120,11 @@ impl Session {
                 outcome.report = data
                     .remove(CELL_REPORT_MIME)
                     .and_then(|json| serde_json::from_str::<CellReport>(&json).ok());
+                // A cell ending in a call that returns `()` has nothing to show (as Python's
+                // None).
+                if data.len() == 1 && data.get("text/plain").is_some_and(|text| text == "()") {
+                    data.clear();
+                }
                 outcome.data = data.into_iter().collect();
                 if let Some(timing) = outputs.timing {
                     let took = format!("Took {}ms\n", timing.as_millis());

@@ -6,7 +6,7 @@ use jupyter_protocol::{
 use jupyter_zmq_client::KernelControlConnection;
 use tokio::sync::oneshot;
 
-use super::{info, Interrupter, Iopub};
+use super::{info, next_message, Interrupter, Iopub};
 
 /// Serves control requests until a shutdown request; then reports it through `shutdown`.
 pub async fn serve(
@@ -16,13 +16,7 @@ pub async fn serve(
     shutdown: oneshot::Sender<bool>,
 ) {
     loop {
-        let request = match socket.read().await {
-            Ok(request) => request,
-            Err(error) => {
-                tracing::warn!("dropped a message on control: {error}");
-                continue;
-            }
-        };
+        let request = next_message(&mut socket, "control").await;
         iopub.status(true, &request);
         let reply: Option<JupyterMessage> = match &request.content {
             JupyterMessageContent::KernelInfoRequest(_) => {

@@ -6,6 +6,7 @@
 //! garbage frames, is logged and dropped, and the channel carries on.
 
 mod control;
+mod decode;
 mod history;
 mod info;
 mod iopub;
@@ -25,6 +26,7 @@ use jupyter_zmq_client::{
 use tokio::sync::oneshot;
 
 use crate::engine::Engine;
+use decode::next_message;
 pub use iopub::Iopub;
 use stdin::StdinBridge;
 
@@ -93,13 +95,7 @@ pub async fn serve(connection_file: &Path, engine: Engine) -> anyhow::Result<()>
     let mut shell = shell::Shell::new(engine.clone(), iopub.clone(), stdin);
     let shell_task = tokio::spawn(async move {
         loop {
-            let request = match shell_recv.read().await {
-                Ok(request) => request,
-                Err(error) => {
-                    tracing::warn!("dropped a message on shell: {error}");
-                    continue;
-                }
-            };
+            let request = next_message(&mut shell_recv, "shell").await;
             iopub.status(true, &request);
             if let Some(reply) = shell.handle(&request).await {
                 if let Err(error) = shell_send.send(reply).await {

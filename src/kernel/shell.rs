@@ -176,7 +176,10 @@ impl Shell {
                     .into_iter()
                     .map(|(mime, text)| (mime.clone(), mime_value(&mime, text))),
             );
-            self.iopub.publish(ExecuteResult::new(count, data), parent);
+            let mut result = ExecuteResult::new(count, data);
+            // Protocol validators want an object here, never null.
+            result.transient = Some(Transient::default());
+            self.iopub.publish(result, parent);
         }
         // Everything the cell published precedes its reply.
         self.iopub.flush().await;
@@ -218,9 +221,7 @@ impl Shell {
                             DisplayData {
                                 data,
                                 metadata: display.metadata,
-                                transient: id.map(|id| Transient {
-                                    display_id: Some(id),
-                                }),
+                                transient: Some(Transient { display_id: id }),
                             },
                             &parent,
                         ),

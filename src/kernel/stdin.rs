@@ -75,14 +75,10 @@ pub fn spawn(mut socket: KernelStdinConnection) -> StdinBridge {
 
 async fn read_reply(socket: &mut KernelStdinConnection) -> String {
     loop {
-        match socket.read().await {
-            Ok(message) => {
-                if let JupyterMessageContent::InputReply(reply) = message.content {
-                    return reply.value;
-                }
-                tracing::debug!("ignoring {} on stdin", message.header.msg_type);
-            }
-            Err(error) => tracing::warn!("dropped a message on stdin: {error}"),
+        let message = super::next_message(socket, "stdin").await;
+        if let JupyterMessageContent::InputReply(reply) = message.content {
+            return reply.value;
         }
+        tracing::debug!("ignoring {} on stdin", message.header.msg_type);
     }
 }
