@@ -43,6 +43,10 @@ def test_a_crash_of_the_child_is_reported_and_the_next_cell_works(kernel):
     assert reply["status"] == "ok" and result_text(messages) == "4"
     reply, _ = execute(kc, "before_crash")
     assert reply["status"] == "error"
+    # The fresh process is set up like the first: panics still come back as clean errors.
+    reply, messages = execute(kc, 'panic!("after the crash")')
+    assert reply["ename"] == "Panic" and reply["evalue"] == "after the crash", reply
+    assert "panicked at" not in stream_text(messages, "stderr")
 
 
 def test_interrupt_stops_a_long_cell_within_seconds(kernel):
@@ -83,3 +87,22 @@ def test_input_requests_reach_the_frontend(kernel):
     responder.join(timeout=5)
     assert answered == ["name? "]
     assert reply["status"] == "ok" and result_text(messages) == '"hello Ada"'
+
+
+def test_cells_queued_behind_a_failed_cell_are_aborted(kernel):
+    _, kc = kernel
+    ids = [kc.execute('panic!("first fails")'), kc.execute("1"), kc.execute("2")]
+    replies = {}
+    while len(replies) < 3:
+        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+    assert [replies[i] for i in ids] == ["error", "aborted", "aborted"]
+    reply, messages = execute(kc, "3")
+    assert reply["status"] == "ok" and result_text(messages) == "3"
+    # Without stop_on_error the queue runs on.
+    ids = [kc.execute('panic!("fails")', stop_on_error=False), kc.execute("4")]
+    replies = {}
+    while len(replies) < 2:
+        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+    assert [replies[i] for i in ids] == ["error", "ok"]

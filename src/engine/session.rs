@@ -23,6 +23,11 @@ pub struct Session {
     notices: Vec<String>,
     /// Why the context could not be created; every cell reports it.
     fatal: Option<String>,
+    /// Code that sets up a fresh child process (installs the runtime's panic hook); re-run after
+    /// the child was restarted.
+    child_setup: Option<&'static str>,
+    /// The child was restarted (crash, interrupt) and has not been set up again.
+    child_restarted: bool,
     control: Arc<Control>,
 }
 
@@ -34,6 +39,8 @@ impl Session {
             context: None,
             notices: Vec::new(),
             fatal: None,
+            child_setup: None,
+            child_restarted: false,
             control,
         };
         match create_context(&config) {
@@ -67,6 +74,9 @@ impl Session {
                     input: None,
                 },
             );
+            if outcome.error.is_none() {
+                session.child_setup = Some(super::setup::CHILD_SETUP);
+            }
             if let Some(error) = outcome.error {
                 session.notices.push(format!(
                     "tch could not be added to this kernel: {}\n{}",
@@ -81,6 +91,21 @@ impl Session {
 
     /// Runs one cell.
     pub fn execute(&mut self, code: &str, io: CellIo) -> CellOutcome {
+        if std::mem::take(&mut self.child_restarted) {
+            if let Some(setup) = self.child_setup {
+                let quiet: super::OutputSink = Arc::new(|_| {});
+                let outcome = self.execute(
+                    setup,
+                    CellIo {
+                        output: quiet,
+                        input: None,
+                    },
+                );
+                if let Some(error) = outcome.error {
+                    tracing::warn!("could not set up the restarted child: {}", error.evalue);
+                }
+            }
+        }
         for notice in self.notices.drain(..) {
             (io.output)(CellOutput::Stream(
                 StreamName::Stderr,
@@ -132,6 +157,7 @@ impl Session {
                 }
             }
             Err(error) => {
+                self.child_restarted = matches!(error, evcxr::Error::SubprocessTerminated(_));
                 let termination = if interrupted {
                     Termination::Interrupted
                 } else {

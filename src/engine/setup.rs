@@ -12,6 +12,10 @@ use crate::child::CHILD_ENV;
 /// The tch version the runtime crate and cells use (it must match libtorch 2.11).
 pub const TCH_VERSION: &str = "0.24.0";
 
+/// Run in every new child process once the prelude is compiled: the runtime's panic hook lives
+/// in the child's standard library, so a restarted child needs it again.
+pub const CHILD_SETUP: &str = "tchmem::__kernel_session_start();";
+
 /// How the engine is set up.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -90,7 +94,7 @@ impl EngineConfig {
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
-             tchmem::__kernel_session_start();\n",
+             {CHILD_SETUP}\n",
             self.runtime_crate.display()
         ))
     }

@@ -97,12 +97,29 @@ pub async fn serve(connection_file: &Path, engine: Engine) -> anyhow::Result<()>
         loop {
             let request = next_message(&mut shell_recv, "shell").await;
             iopub.status(true, &request);
-            if let Some(reply) = shell.handle(&request).await {
-                if let Err(error) = shell_send.send(reply).await {
-                    tracing::warn!("cannot send a shell reply: {error}");
+            let reply = shell.handle(&request).await;
+            // As ipykernel: execute requests that were already queued behind a failed cell (Run
+            // All) are answered "aborted" instead of run. They are collected before the failed
+            // cell's reply goes out, so nothing sent in answer to that reply is caught.
+            let mut queued = Vec::new();
+            if shell.take_abort_queued() {
+                while let Ok(next) =
+                    tokio::time::timeout(QUEUED, next_message(&mut shell_recv, "shell")).await
+                {
+                    queued.push(next);
                 }
             }
+            send_reply(&mut shell_send, reply).await;
             iopub.status(false, &request);
+            for request in queued {
+                iopub.status(true, &request);
+                let reply = match shell.aborted(&request) {
+                    Some(aborted) => Some(aborted),
+                    None => shell.handle(&request).await,
+                };
+                send_reply(&mut shell_send, reply).await;
+                iopub.status(false, &request);
+            }
         }
     });
 
@@ -111,6 +128,21 @@ pub async fn serve(connection_file: &Path, engine: Engine) -> anyhow::Result<()>
     engine.interrupt();
     tracing::info!("shutting down (restart requested: {restart})");
     Ok(())
+}
+
+/// How long the shell waits for one more already-queued request after a failed cell before it
+/// considers the queue drained.
+const QUEUED: std::time::Duration = std::time::Duration::from_millis(10);
+
+async fn send_reply(
+    socket: &mut jupyter_zmq_client::RouterSendConnection,
+    reply: Option<jupyter_protocol::JupyterMessage>,
+) {
+    if let Some(reply) = reply {
+        if let Err(error) = socket.send(reply).await {
+            tracing::warn!("cannot send a shell reply: {error}");
+        }
+    }
 }
 
 /// In `signal` interrupt mode Jupyter sends SIGINT; it must interrupt the cell, not end the

@@ -23,6 +23,8 @@ pub struct Shell {
     stdin: StdinBridge,
     execution_count: ExecutionCount,
     history: History,
+    /// Set when a cell failed with `stop_on_error`: requests already queued are aborted.
+    abort_queued: bool,
 }
 
 impl Shell {
@@ -34,7 +36,29 @@ impl Shell {
             stdin,
             execution_count: ExecutionCount::new(0),
             history: History::default(),
+            abort_queued: false,
         }
+    }
+
+    /// Whether the last cell failed with `stop_on_error`, so that execute requests already
+    /// waiting should be aborted (cleared by reading it).
+    pub fn take_abort_queued(&mut self) -> bool {
+        std::mem::take(&mut self.abort_queued)
+    }
+
+    /// The reply to an execute request that is not run because an earlier cell failed.
+    pub fn aborted(&self, request: &JupyterMessage) -> Option<JupyterMessage> {
+        let JupyterMessageContent::ExecuteRequest(_) = &request.content else {
+            return None;
+        };
+        let reply = ExecuteReply {
+            status: ReplyStatus::Aborted,
+            execution_count: self.execution_count,
+            payload: Vec::new(),
+            user_expressions: Some(Default::default()),
+            error: None,
+        };
+        Some(JupyterMessage::new(reply, Some(request)))
     }
 
     /// Handles one request; returns the reply to send on the shell socket.
@@ -164,6 +188,7 @@ impl Shell {
                 );
             }
             reply.status = ReplyStatus::Error;
+            self.abort_queued = request.stop_on_error;
             reply.error = Some(Box::new(ReplyError {
                 ename: error.ename,
                 evalue: error.evalue,
