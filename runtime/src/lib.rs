@@ -3,7 +3,11 @@
 //! Every cell of a tchmem kernel already depends on this crate and on `tch`; nothing needs a
 //! `:dep` line. This is the only part of tchmem that links libtorch.
 
+pub mod cuda_stats;
 pub mod display;
+mod nvml;
+pub mod record;
+mod watch;
 
 /// Asking the notebook's user for a line of text (Jupyter `input_request`).
 pub mod input {
@@ -12,6 +16,8 @@ pub mod input {
 mod panic_hook;
 
 pub use tch;
+pub use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
+pub use watch::{tensor_bytes, watch, watch_batch};
 
 /// The version of this crate, as built into the current cell.
 pub fn version() -> &'static str {

@@ -5,6 +5,8 @@
 //! separately (cells are compiled at run time), so the formats live here, in one small crate
 //! they all depend on.
 
+pub mod memory;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -29,6 +31,12 @@ pub struct CellReport {
     pub wall_seconds: f64,
     /// Whether libtorch's CUDA library was loaded into the child, and if not, why.
     pub cuda_library: String,
+    /// What the runtime measured; `None` when the runtime is not loaded (no tch) or failed.
+    #[serde(default)]
+    pub memory: Option<memory::MemoryRecord>,
+    /// Why there is no memory record, when there is none.
+    #[serde(default)]
+    pub memory_missing: Option<String>,
 }
 
 /// Rich output sent from a cell while it runs (Jupyter's `display_data` or

@@ -1,0 +1,28 @@
+//! Compiles the C++ shim (csrc/) against the same libtorch as torch-sys, which reports its
+//! location to crates that depend on it directly (`links = "tch"` → DEP_TCH_LIBTORCH_LIB).
+
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc/memory.cpp");
+    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
+        .expect("torch-sys did not report libtorch's location (DEP_TCH_LIBTORCH_LIB)");
+    let torch = PathBuf::from(lib)
+        .parent()
+        .expect("libtorch's lib directory has a parent")
+        .to_path_buf();
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/memory.cpp")
+        .include(torch.join("include"))
+        .include(torch.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        // The same ABI and glog settings as torch-sys.
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        // GCC would otherwise inline a CUDA-runtime call from a header into the object, which
+        // the linker then cannot resolve (notes/libtorch.md).
+        .flag("-fno-devirtualize-speculatively")
+        .warnings(false)
+        .compile("tchmem_shim");
+}

@@ -1,0 +1,189 @@
+//! Per-cell memory records, taken by the kernel's child process around every cell through the
+//! two `extern "C"` hooks at the bottom (found by symbol, so no compile is needed per cell).
+
+use std::ffi::{c_char, CString};
+use std::sync::Mutex;
+
+use tch::Device;
+use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
+
+use crate::{cuda_stats, nvml, watch};
+
+/// The CUDA device the records describe.
+const DEVICE: i64 = 0;
+
+struct Before {
+    counters: Counters,
+    allocations: i64,
+    alloc_retries: i64,
+    ooms: i64,
+}
+
+static BEFORE: Mutex<Option<Before>> = Mutex::new(None);
+
+/// Starts a cell: resets the allocator's peaks and remembers the counters.
+pub fn before_cell() {
+    let before = cuda_stats::device_stats(DEVICE).ok().map(|stats| Before {
+        counters: stats.current,
+        allocations: stats.allocations,
+        alloc_retries: stats.alloc_retries,
+        ooms: stats.ooms,
+    });
+    if before.is_some() {
+        let _ = cuda_stats::reset_peak_stats(DEVICE);
+    }
+    *BEFORE.lock().unwrap_or_else(|e| e.into_inner()) = before;
+}
+
+/// Ends a cell: the record of what it did.
+pub fn after_cell() -> MemoryRecord {
+    let before = BEFORE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    match cuda_stats::device_stats(DEVICE) {
+        Ok(stats) => cuda_record(stats, before),
+        Err(why) => cpu_record(why),
+    }
+}
+
+/// The memory as it is now, without a cell around it.
+pub fn current() -> MemoryRecord {
+    match cuda_stats::device_stats(DEVICE) {
+        Ok(stats) => cuda_record(stats, None),
+        Err(why) => cpu_record(why),
+    }
+}
+
+fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> MemoryRecord {
+    let mut notes = Vec::new();
+    let (device_free, device_total) = cuda_stats::memory_info(DEVICE).unwrap_or_else(|why| {
+        notes.push(format!("cudaMemGetInfo failed: {why}"));
+        (0, 0)
+    });
+    let nvml_process = nvml::process_bytes(DEVICE as u32)
+        .map_err(|why| notes.push(why))
+        .ok();
+    let before = before.unwrap_or(Before {
+        counters: stats.current,
+        allocations: stats.allocations,
+        alloc_retries: stats.alloc_retries,
+        ooms: stats.ooms,
+    });
+    let cuda = CudaMemory {
+        device: DEVICE,
+        before: before.counters,
+        after: stats.current,
+        peak: stats.peak,
+        allocations: stats.allocations - before.allocations,
+        alloc_retries: stats.alloc_retries - before.alloc_retries,
+        ooms: stats.ooms - before.ooms,
+        device_total,
+        device_free,
+        nvml_process,
+    };
+    let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
+    let mut categories = known_categories(known);
+    let counted: u64 = categories.iter().map(|c| c.bytes).sum();
+    categories.push(Category {
+        name: CategoryName::Other,
+        bytes: stats.current.allocated.saturating_sub(counted),
+        exact: false,
+        how: "allocated bytes minus the categories above: activations, optimizer state and \
+              temporaries not yet told apart"
+            .into(),
+    });
+    categories.push(Category {
+        name: CategoryName::Fragmentation,
+        bytes: stats
+            .current
+            .reserved
+            .saturating_sub(stats.current.allocated),
+        exact: true,
+        how: "allocator: reserved − allocated".into(),
+    });
+    if let Some(process) = nvml_process {
+        categories.push(Category {
+            name: CategoryName::CudaContext,
+            bytes: process.saturating_sub(stats.current.reserved),
+            exact: false,
+            how: "NVML process usage − allocator reserved".into(),
+        });
+    }
+    MemoryRecord {
+        device: format!("cuda:{DEVICE}"),
+        cuda: Some(cuda),
+        categories,
+        notes,
+    }
+}
+
+fn cpu_record(why: String) -> MemoryRecord {
+    let known = watch::known_bytes(Device::Cpu);
+    MemoryRecord {
+        device: "cpu".into(),
+        cuda: None,
+        categories: known_categories(known),
+        notes: vec![format!(
+            "No allocator counters: {why}. On CPU the categories come from the watched tensors' \
+             sizes; peaks, fragmentation and the CUDA context are CUDA-only."
+        )],
+    }
+}
+
+fn known_categories(known: watch::Known) -> Vec<Category> {
+    let mut categories = Vec::new();
+    if known.stores > 0 {
+        categories.push(Category {
+            name: CategoryName::Parameters,
+            bytes: known.parameters,
+            exact: true,
+            how: format!(
+                "sizes of the variables of {} watched VarStore(s)",
+                known.stores
+            ),
+        });
+        categories.push(Category {
+            name: CategoryName::Gradients,
+            bytes: known.gradients,
+            exact: true,
+            how: "sizes of the defined .grad() of trainable variables".into(),
+        });
+    }
+    if known.input_batch > 0 {
+        categories.push(Category {
+            name: CategoryName::InputBatch,
+            bytes: known.input_batch,
+            exact: true,
+            how: "size of the tensor given to tchmem::watch_batch".into(),
+        });
+    }
+    categories
+}
+
+/// Hook for the kernel's child: before a cell.
+#[no_mangle]
+pub extern "C" fn tchmem_runtime_before_cell() {
+    let _ = std::panic::catch_unwind(before_cell);
+}
+
+/// Hook for the kernel's child: after a cell; returns the record as JSON, to be released with
+/// [`tchmem_runtime_free`]. Null if measuring failed.
+#[no_mangle]
+pub extern "C" fn tchmem_runtime_after_cell() -> *mut c_char {
+    std::panic::catch_unwind(|| {
+        let json = serde_json::to_string(&after_cell()).ok()?;
+        CString::new(json).ok()
+    })
+    .ok()
+    .flatten()
+    .map_or(std::ptr::null_mut(), CString::into_raw)
+}
+
+/// Releases a string returned by [`tchmem_runtime_after_cell`].
+///
+/// # Safety
+/// `text` must come from [`tchmem_runtime_after_cell`] and be released once.
+#[no_mangle]
+pub unsafe extern "C" fn tchmem_runtime_free(text: *mut c_char) {
+    if !text.is_null() {
+        drop(CString::from_raw(text));
+    }
+}

@@ -1,0 +1,97 @@
+//! What the notebook tells the runtime about its tensors: which variable stores hold model
+//! parameters, and which tensor is the current input batch.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, Weak};
+
+use tch::nn::{VarStore, Variables};
+use tch::{Device, Tensor};
+
+struct Watched {
+    stores: Vec<Weak<Mutex<Variables>>>,
+    batch: Option<Tensor>,
+}
+
+// SAFETY: tch tensors are reference-counted libtorch tensors that libtorch allows to be used
+// from any thread; the registry only reads their sizes under the mutex.
+unsafe impl Send for Watched {}
+
+static WATCHED: Mutex<Watched> = Mutex::new(Watched {
+    stores: Vec::new(),
+    batch: None,
+});
+
+fn watched() -> std::sync::MutexGuard<'static, Watched> {
+    WATCHED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Counts `vs`'s variables as parameters and their gradients as gradients in every later memory
+/// record. The store is not kept alive by this: once dropped it stops counting.
+pub fn watch(vs: &VarStore) {
+    let mut watched = watched();
+    let weak = Arc::downgrade(&vs.variables_);
+    if !watched.stores.iter().any(|w| w.ptr_eq(&weak)) {
+        watched.stores.push(weak);
+    }
+}
+
+/// Counts `batch` as the input batch (replacing the previous one). The runtime keeps a
+/// reference to it until the next call, which keeps its memory alive as long.
+pub fn watch_batch(batch: &Tensor) {
+    watched().batch = Some(batch.shallow_clone());
+}
+
+/// Bytes of tensors on `device`, each storage counted once.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Known {
+    /// Variables of watched stores.
+    pub parameters: u64,
+    /// Their defined gradients.
+    pub gradients: u64,
+    /// The watched batch.
+    pub input_batch: u64,
+    /// Number of live watched stores.
+    pub stores: usize,
+}
+
+/// Sizes the watched tensors that live on `device`.
+pub fn known_bytes(device: Device) -> Known {
+    let mut watched = watched();
+    watched.stores.retain(|w| w.strong_count() > 0);
+    let mut seen = HashSet::new();
+    let mut known = Known::default();
+    for store in watched.stores.iter().filter_map(Weak::upgrade) {
+        let variables = store.lock().unwrap_or_else(|e| e.into_inner());
+        known.stores += 1;
+        for tensor in variables.named_variables.values() {
+            known.parameters += bytes_once(tensor, device, &mut seen);
+        }
+        for var in &variables.trainable_variables {
+            let grad = var.tensor.grad();
+            if grad.defined() {
+                known.gradients += bytes_once(&grad, device, &mut seen);
+            }
+        }
+    }
+    if let Some(batch) = &watched.batch {
+        known.input_batch = bytes_once(batch, device, &mut seen);
+    }
+    known
+}
+
+/// Bytes of `tensor` if it is on `device` and its storage was not counted yet.
+fn bytes_once(tensor: &Tensor, device: Device, seen: &mut HashSet<usize>) -> u64 {
+    if !tensor.defined() || tensor.device() != device {
+        return 0;
+    }
+    let pointer = tensor.data_ptr() as usize;
+    if pointer != 0 && !seen.insert(pointer) {
+        return 0;
+    }
+    tensor_bytes(tensor)
+}
+
+/// `numel × element size` of a tensor.
+pub fn tensor_bytes(tensor: &Tensor) -> u64 {
+    (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64
+}

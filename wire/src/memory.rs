@@ -1,0 +1,129 @@
+//! The memory record of one cell: what the allocator counters said before, after and at the
+//! peak, and where the memory sits by category.
+
+use serde::{Deserialize, Serialize};
+
+/// The CUDA caching allocator's main counters at one moment (bytes).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes in live tensors (rounded up to the allocator's block sizes).
+    pub allocated: u64,
+    /// Bytes the allocator holds from the driver (allocated + cached).
+    pub reserved: u64,
+    /// Bytes in blocks in use, including those freed but not yet reusable (stream use).
+    pub active: u64,
+    /// Bytes callers asked for, before rounding.
+    pub requested: u64,
+}
+
+/// What the CUDA side measured around one cell.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct CudaMemory {
+    /// Device index.
+    pub device: i64,
+    /// Counters before the cell.
+    pub before: Counters,
+    /// Counters after the cell.
+    pub after: Counters,
+    /// Highest value of each counter while the cell ran (peaks are reset before every cell).
+    pub peak: Counters,
+    /// Allocations made by the cell.
+    pub allocations: i64,
+    /// Times the allocator freed its cache and retried because memory ran out.
+    pub alloc_retries: i64,
+    /// Out-of-memory errors raised while the cell ran.
+    pub ooms: i64,
+    /// Device memory in total and free after the cell (cudaMemGetInfo).
+    pub device_total: u64,
+    /// Free device memory after the cell.
+    pub device_free: u64,
+    /// This process's device memory as NVML sees it (context + reserved + other libraries).
+    pub nvml_process: Option<u64>,
+}
+
+/// The places training memory goes.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum CategoryName {
+    /// Tensors of watched variable stores.
+    Parameters,
+    /// Their gradients.
+    Gradients,
+    /// Optimizer state (moments, momentum buffers).
+    OptimizerState,
+    /// Tensors saved by the forward pass for backward.
+    Activations,
+    /// The watched input batch.
+    InputBatch,
+    /// CUDA context and libraries' workspaces: NVML's process usage minus reserved bytes.
+    CudaContext,
+    /// Reserved by the allocator but not allocated (cache and fragmentation).
+    Fragmentation,
+    /// Allocated bytes no other category accounts for.
+    Other,
+}
+
+impl CategoryName {
+    /// All, in the order charts stack them.
+    pub const ALL: [CategoryName; 8] = [
+        CategoryName::Parameters,
+        CategoryName::Gradients,
+        CategoryName::OptimizerState,
+        CategoryName::Activations,
+        CategoryName::InputBatch,
+        CategoryName::Other,
+        CategoryName::Fragmentation,
+        CategoryName::CudaContext,
+    ];
+
+    /// Human label.
+    pub fn label(self) -> &'static str {
+        match self {
+            CategoryName::Parameters => "parameters",
+            CategoryName::Gradients => "gradients",
+            CategoryName::OptimizerState => "optimizer state",
+            CategoryName::Activations => "activations",
+            CategoryName::InputBatch => "input batch",
+            CategoryName::CudaContext => "CUDA context + workspace",
+            CategoryName::Fragmentation => "fragmentation + cache",
+            CategoryName::Other => "other tensors",
+        }
+    }
+}
+
+/// Bytes in one category, and how they were found.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Category {
+    /// Which category.
+    pub name: CategoryName,
+    /// Bytes after the cell.
+    pub bytes: u64,
+    /// Counted from known tensors or counters (true), or inferred from differences (false).
+    pub exact: bool,
+    /// How the number was obtained.
+    pub how: String,
+}
+
+/// Everything the runtime measured about one cell's memory.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct MemoryRecord {
+    /// The device the categories describe ("cuda:0" or "cpu").
+    pub device: String,
+    /// Allocator counters; `None` without CUDA.
+    pub cuda: Option<CudaMemory>,
+    /// Categories after the cell.
+    pub categories: Vec<Category>,
+    /// What could not be measured, and why.
+    pub notes: Vec<String>,
+}
+
+impl MemoryRecord {
+    /// Bytes of `name`, 0 if absent.
+    pub fn bytes(&self, name: CategoryName) -> u64 {
+        self.categories
+            .iter()
+            .filter(|c| c.name == name)
+            .map(|c| c.bytes)
+            .sum()
+    }
+}
