@@ -11,7 +11,9 @@ mod engine;
 mod install;
 mod kernel;
 mod libtorch;
+mod magics;
 mod notebook;
+mod report;
 
 use clap::Parser;
 

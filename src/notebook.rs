@@ -118,7 +118,7 @@ pub fn execute(
         if failures.is_empty() || allow_errors {
             execution_count += 1;
             eprintln!("[tchmem] cell {}: running", index + 1);
-            let (outputs, outcome) = run_cell(engine, code);
+            let (outputs, mut outcome) = run_cell(engine, code);
             let mut outputs = outputs;
             if let Some(error) = &outcome.error {
                 failures.push(format!(
@@ -134,8 +134,7 @@ pub fn execute(
                     "traceback": error.traceback,
                 }));
             } else if !outcome.data.is_empty() {
-                let data: Map<String, Value> = outcome
-                    .data
+                let data: Map<String, Value> = std::mem::take(&mut outcome.data)
                     .into_iter()
                     .map(|(mime, text)| (mime, Value::String(text)))
                     .collect();
@@ -144,6 +143,13 @@ pub fn execute(
                     "execution_count": execution_count,
                     "data": data,
                     "metadata": {},
+                }));
+            }
+            if let Some(display) = outcome.memory_display {
+                outputs.push(json!({
+                    "output_type": "display_data",
+                    "data": display.data,
+                    "metadata": display.metadata,
                 }));
             }
             cell["outputs"] = Value::Array(outputs);

@@ -7,6 +7,7 @@ pub mod cuda_stats;
 pub mod display;
 mod nvml;
 pub mod record;
+mod shared;
 mod watch;
 
 /// Asking the notebook's user for a line of text (Jupyter `input_request`).
@@ -28,4 +29,5 @@ pub fn version() -> &'static str {
 #[doc(hidden)]
 pub fn __kernel_session_start() {
     panic_hook::install();
+    record::register_hooks();
 }

@@ -2,7 +2,6 @@
 //! two `extern "C"` hooks at the bottom (found by symbol, so no compile is needed per cell).
 
 use std::ffi::{c_char, CString};
-use std::sync::Mutex;
 
 use tch::Device;
 use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
@@ -12,14 +11,20 @@ use crate::{cuda_stats, nvml, watch};
 /// The CUDA device the records describe.
 const DEVICE: i64 = 0;
 
-struct Before {
+/// Counters noted before a cell.
+pub struct Before {
     counters: Counters,
     allocations: i64,
     alloc_retries: i64,
     ooms: i64,
 }
 
-static BEFORE: Mutex<Option<Before>> = Mutex::new(None);
+fn before() -> std::sync::MutexGuard<'static, Option<Before>> {
+    crate::shared::shared()
+        .before
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
 
 /// Starts a cell: resets the allocator's peaks and remembers the counters.
 pub fn before_cell() {
@@ -32,12 +37,12 @@ pub fn before_cell() {
     if before.is_some() {
         let _ = cuda_stats::reset_peak_stats(DEVICE);
     }
-    *BEFORE.lock().unwrap_or_else(|e| e.into_inner()) = before;
+    *self::before() = before;
 }
 
 /// Ends a cell: the record of what it did.
 pub fn after_cell() -> MemoryRecord {
-    let before = BEFORE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let before = self::before().take();
     match cuda_stats::device_stats(DEVICE) {
         Ok(stats) => cuda_record(stats, before),
         Err(why) => cpu_record(why),
@@ -158,15 +163,26 @@ fn known_categories(known: watch::Known) -> Vec<Category> {
     categories
 }
 
+/// Gives the kernel's child this runtime's hooks (called when a session starts).
+pub(crate) fn register_hooks() {
+    use std::sync::atomic::Ordering;
+    if let Some(slot) = crate::shared::child_slot() {
+        let before: extern "C" fn() = tchmem_runtime_before_cell;
+        let after: extern "C" fn() -> *mut c_char = tchmem_runtime_after_cell;
+        let free: unsafe extern "C" fn(*mut c_char) = tchmem_runtime_free;
+        slot.before_cell.store(before as *mut _, Ordering::Release);
+        slot.after_cell.store(after as *mut _, Ordering::Release);
+        slot.free.store(free as *mut _, Ordering::Release);
+    }
+}
+
 /// Hook for the kernel's child: before a cell.
-#[no_mangle]
 pub extern "C" fn tchmem_runtime_before_cell() {
     let _ = std::panic::catch_unwind(before_cell);
 }
 
 /// Hook for the kernel's child: after a cell; returns the record as JSON, to be released with
 /// [`tchmem_runtime_free`]. Null if measuring failed.
-#[no_mangle]
 pub extern "C" fn tchmem_runtime_after_cell() -> *mut c_char {
     std::panic::catch_unwind(|| {
         let json = serde_json::to_string(&after_cell()).ok()?;
@@ -181,7 +197,6 @@ pub extern "C" fn tchmem_runtime_after_cell() -> *mut c_char {
 ///
 /// # Safety
 /// `text` must come from [`tchmem_runtime_after_cell`] and be released once.
-#[no_mangle]
 pub unsafe extern "C" fn tchmem_runtime_free(text: *mut c_char) {
     if !text.is_null() {
         drop(CString::from_raw(text));

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, Weak};
 use tch::nn::{VarStore, Variables};
 use tch::{Device, Tensor};
 
-struct Watched {
+/// The watched stores and batch.
+#[derive(Default)]
+pub struct Watched {
     stores: Vec<Weak<Mutex<Variables>>>,
     batch: Option<Tensor>,
 }
@@ -16,13 +18,11 @@ struct Watched {
 // from any thread; the registry only reads their sizes under the mutex.
 unsafe impl Send for Watched {}
 
-static WATCHED: Mutex<Watched> = Mutex::new(Watched {
-    stores: Vec::new(),
-    batch: None,
-});
-
 fn watched() -> std::sync::MutexGuard<'static, Watched> {
-    WATCHED.lock().unwrap_or_else(|e| e.into_inner())
+    crate::shared::shared()
+        .watched
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// Counts `vs`'s variables as parameters and their gradients as gradients in every later memory

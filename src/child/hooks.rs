@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use super::runtime_hooks;
 use super::stdout_tap::StdoutTap;
 use crate::libtorch::CudaLibrary;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME, STDERR_SYNC_PREFIX};
@@ -27,6 +28,7 @@ impl CellHooks {
 
     /// Runs just before the cell's code.
     pub fn before_cell(&mut self) {
+        runtime_hooks::before_cell();
         self.started = Instant::now();
     }
 
@@ -35,6 +37,14 @@ impl CellHooks {
     /// marks the end of the cell's stderr.
     pub fn after_cell(&mut self) {
         let wall_seconds = self.started.elapsed().as_secs_f64();
+        let (memory, memory_missing) = match runtime_hooks::after_cell() {
+            Some(Ok(record)) => (Some(record), None),
+            Some(Err(why)) => (None, Some(why)),
+            None => (
+                None,
+                Some("the tchmem runtime is not loaded (no tch in this kernel)".into()),
+            ),
+        };
         let panicked = self.tap.sync();
         self.cells_run += 1;
         let report = CellReport {
@@ -42,6 +52,8 @@ impl CellHooks {
             panicked,
             wall_seconds,
             cuda_library: self.cuda.describe(),
+            memory,
+            memory_missing,
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
         self.tap

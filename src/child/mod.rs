@@ -9,6 +9,7 @@
 //! The protocol is evcxr 0.22's internal one (pinned exactly in Cargo.toml).
 
 mod hooks;
+mod runtime_hooks;
 mod stdout_tap;
 
 use std::ffi::c_void;

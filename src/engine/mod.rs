@@ -47,6 +47,8 @@ pub struct CellOutcome {
     pub error: Option<CellError>,
     /// The child's report of the run, when the cell's code ran.
     pub report: Option<CellReport>,
+    /// The memory summary to show after the cell's result (per `%memprofile`).
+    pub memory_display: Option<tchmem_wire::Display>,
 }
 
 /// A completion answer: candidates replacing the characters `start..end` (in chars).

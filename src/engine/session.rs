@@ -11,7 +11,19 @@ use super::positions::{byte_to_char, char_to_byte};
 use super::setup::{create_context, EngineConfig};
 use super::streams::{CellOutput, StreamName, StreamPump};
 use super::{CellIo, CellOutcome, CompletionOutcome, Control, InspectOutcome};
+use tchmem_wire::memory::MemoryRecord;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME};
+
+use crate::magics::{self, Magic, MagicReply, ProfileMode};
+use crate::report;
+
+fn mode_name(mode: ProfileMode) -> &'static str {
+    match mode {
+        ProfileMode::Auto => "auto (after cells that changed memory)",
+        ProfileMode::Always => "always",
+        ProfileMode::Off => "off",
+    }
+}
 
 /// How long to wait for the end of a cell's stderr after the cell returned.
 const STDERR_GRACE: Duration = Duration::from_secs(5);
@@ -28,6 +40,12 @@ pub struct Session {
     child_setup: Option<&'static str>,
     /// The child was restarted (crash, interrupt) and has not been set up again.
     child_restarted: bool,
+    /// When memory summaries are shown (`%memprofile`).
+    profile_mode: ProfileMode,
+    /// Memory records of every cell so far, numbered by run.
+    records: Vec<(usize, MemoryRecord)>,
+    /// Cells run so far (magic-only cells included).
+    runs: usize,
     control: Arc<Control>,
 }
 
@@ -41,6 +59,9 @@ impl Session {
             fatal: None,
             child_setup: None,
             child_restarted: false,
+            profile_mode: ProfileMode::default(),
+            records: Vec::new(),
+            runs: 0,
             control,
         };
         match create_context(&config) {
@@ -67,7 +88,7 @@ impl Session {
         if let Some(prelude) = config.prelude() {
             tracing::info!("compiling the prelude (tch {})", super::setup::TCH_VERSION);
             let sink: super::OutputSink = Arc::new(|output| tracing::debug!("prelude: {output:?}"));
-            let outcome = session.execute(
+            let outcome = session.run_code(
                 &prelude,
                 CellIo {
                     output: sink,
@@ -89,12 +110,64 @@ impl Session {
         session
     }
 
-    /// Runs one cell.
-    pub fn execute(&mut self, code: &str, io: CellIo) -> CellOutcome {
+    /// Runs one cell: its magics, then its code, then records its memory.
+    pub fn execute(&mut self, cell: &str, io: CellIo) -> CellOutcome {
+        self.runs += 1;
+        let (magic_lines, code) = magics::split(cell);
+        for line in magic_lines {
+            if let Err(error) = self.apply_magic(line, &io) {
+                return CellOutcome {
+                    error: Some(error),
+                    ..Default::default()
+                };
+            }
+        }
+        if code.trim().is_empty() {
+            return CellOutcome::default();
+        }
+        let mut outcome = self.run_code(code, io);
+        if let Some(record) = outcome.report.as_ref().and_then(|r| r.memory.clone()) {
+            let show = match self.profile_mode {
+                ProfileMode::Always => true,
+                ProfileMode::Auto => report::changed(&record, self.records.last().map(|(_, r)| r)),
+                ProfileMode::Off => false,
+            };
+            if show {
+                outcome.memory_display = Some(report::cell_display(&record));
+            }
+            self.records.push((self.runs, record));
+        }
+        outcome
+    }
+
+    fn apply_magic(&mut self, line: &str, io: &CellIo) -> Result<(), CellError> {
+        let show = |text: String| {
+            (io.output)(CellOutput::Stream(StreamName::Stdout, text + "\n"));
+        };
+        match magics::parse(line) {
+            Ok(Magic::MemProfile(Some(mode))) => {
+                self.profile_mode = mode;
+                show(format!("memory summaries: {}", mode_name(mode)));
+            }
+            Ok(Magic::MemProfile(None)) => show(format!(
+                "memory summaries: {}",
+                mode_name(self.profile_mode)
+            )),
+            Ok(Magic::MemHistory) => {
+                (io.output)(CellOutput::Display(report::history_display(&self.records)));
+            }
+            Err(MagicReply::Help(help)) => show(help),
+            Err(MagicReply::Error(message)) => return Err(CellError::new("MagicError", message)),
+        }
+        Ok(())
+    }
+
+    /// Runs Rust code (and evcxr commands) in the context.
+    fn run_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
         if std::mem::take(&mut self.child_restarted) {
             if let Some(setup) = self.child_setup {
                 let quiet: super::OutputSink = Arc::new(|_| {});
-                let outcome = self.execute(
+                let outcome = self.run_code(
                     setup,
                     CellIo {
                         output: quiet,

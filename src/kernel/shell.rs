@@ -154,7 +154,7 @@ impl Shell {
             output: self.output_sink(parent, silent),
             input: request.allow_stdin.then(|| self.input_fn(parent)),
         };
-        let outcome = self
+        let mut outcome = self
             .engine
             .execute(request.code.clone(), io)
             .await
@@ -176,7 +176,7 @@ impl Shell {
             user_expressions: Some(Default::default()),
             error: None,
         };
-        if let Some(error) = outcome.error {
+        if let Some(error) = outcome.error.clone() {
             if !silent {
                 self.iopub.publish(
                     ErrorOutput {
@@ -196,8 +196,7 @@ impl Shell {
             }));
         } else if !outcome.data.is_empty() && !silent {
             let data = media(
-                outcome
-                    .data
+                std::mem::take(&mut outcome.data)
                     .into_iter()
                     .map(|(mime, text)| (mime.clone(), mime_value(&mime, text))),
             );
@@ -205,6 +204,16 @@ impl Shell {
             // Protocol validators want an object here, never null.
             result.transient = Some(Transient::default());
             self.iopub.publish(result, parent);
+        }
+        if let (Some(display), false) = (outcome.memory_display, silent) {
+            self.iopub.publish(
+                DisplayData {
+                    data: media(display.data),
+                    metadata: display.metadata,
+                    transient: Some(Transient::default()),
+                },
+                parent,
+            );
         }
         // Everything the cell published precedes its reply.
         self.iopub.flush().await;

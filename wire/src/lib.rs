@@ -6,6 +6,9 @@
 //! they all depend on.
 
 pub mod memory;
+mod slot;
+
+pub use slot::{ChildSlot, CHILD_SLOT_SYMBOL};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

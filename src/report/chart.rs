@@ -1,0 +1,75 @@
+//! The per-cell chart: one stacked bar of the memory categories (plotters, SVG).
+
+use plotters::prelude::*;
+use tchmem_wire::memory::{CategoryName, MemoryRecord};
+
+use super::format::human_bytes;
+
+/// Colour of each category, the same in every chart.
+fn colour(name: CategoryName) -> RGBColor {
+    match name {
+        CategoryName::Parameters => RGBColor(66, 133, 244),
+        CategoryName::Gradients => RGBColor(52, 168, 83),
+        CategoryName::OptimizerState => RGBColor(251, 188, 5),
+        CategoryName::Activations => RGBColor(238, 76, 44),
+        CategoryName::InputBatch => RGBColor(171, 71, 188),
+        CategoryName::Other => RGBColor(158, 158, 158),
+        CategoryName::Fragmentation => RGBColor(205, 205, 205),
+        CategoryName::CudaContext => RGBColor(96, 125, 139),
+    }
+}
+
+/// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
+pub fn stacked_bar(record: &MemoryRecord) -> Result<String, String> {
+    let present: Vec<(CategoryName, u64)> = CategoryName::ALL
+        .iter()
+        .map(|&name| (name, record.bytes(name)))
+        .filter(|(name, _)| record.categories.iter().any(|c| c.name == *name))
+        .collect();
+    let total: u64 = present.iter().map(|(_, bytes)| bytes).sum();
+    let (width, height) = (640u32, 90 + 18 * present.len().div_ceil(2) as u32);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let title = format!("{}: {} in categories", record.device, human_bytes(total));
+        root.draw(&Text::new(title, (10, 8), ("sans-serif", 14).into_font()))
+            .map_err(|e| e.to_string())?;
+        let (left, right, top, bar) = (10i32, width as i32 - 10, 30i32, 24i32);
+        let span = (right - left) as f64;
+        let mut x = left as f64;
+        for (name, bytes) in &present {
+            let w = if total == 0 {
+                0.0
+            } else {
+                *bytes as f64 / total as f64 * span
+            };
+            if w > 0.0 {
+                let rect = Rectangle::new(
+                    [(x.round() as i32, top), ((x + w).round() as i32, top + bar)],
+                    colour(*name).filled(),
+                );
+                root.draw(&rect).map_err(|e| e.to_string())?;
+            }
+            x += w;
+        }
+        for (i, (name, bytes)) in present.iter().enumerate() {
+            let column = (i % 2) as i32 * (width as i32 / 2);
+            let row = top + bar + 14 + (i / 2) as i32 * 18;
+            let swatch = Rectangle::new(
+                [(left + column, row), (left + column + 12, row + 12)],
+                colour(*name).filled(),
+            );
+            root.draw(&swatch).map_err(|e| e.to_string())?;
+            let label = format!("{}: {}", name.label(), human_bytes(*bytes));
+            root.draw(&Text::new(
+                label,
+                (left + column + 18, row),
+                ("sans-serif", 12).into_font(),
+            ))
+            .map_err(|e| e.to_string())?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}

@@ -1,0 +1,227 @@
+//! How memory records are shown: one line of text, an HTML table with an SVG chart, and the
+//! record itself as JSON (`application/vnd.tchmem.record+json`) for tools.
+
+mod chart;
+pub mod format;
+
+use serde_json::{Map, Value};
+use tchmem_wire::memory::MemoryRecord;
+use tchmem_wire::Display;
+
+use format::{human_bytes, signed_bytes};
+
+/// MIME type of a memory record in outputs.
+pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
+
+/// Whether a cell changed memory enough to be worth showing in `auto` mode.
+pub fn changed(record: &MemoryRecord, previous: Option<&MemoryRecord>) -> bool {
+    if let Some(cuda) = &record.cuda {
+        return cuda.before.allocated != cuda.after.allocated
+            || cuda.before.reserved != cuda.after.reserved
+            || cuda.peak.allocated > cuda.before.allocated.max(cuda.after.allocated);
+    }
+    match previous {
+        Some(previous) => previous.categories != record.categories,
+        None => record.categories.iter().any(|c| c.bytes > 0),
+    }
+}
+
+/// The compact line shown after a cell.
+pub fn one_line(record: &MemoryRecord) -> String {
+    let categories: Vec<String> = record
+        .categories
+        .iter()
+        .filter(|c| c.bytes > 0)
+        .map(|c| format!("{} {}", c.name.label(), human_bytes(c.bytes)))
+        .collect();
+    let categories = if categories.is_empty() {
+        "no watched tensors (tchmem::watch(&vs))".to_string()
+    } else {
+        categories.join(", ")
+    };
+    match &record.cuda {
+        Some(cuda) => format!(
+            "{}: allocated {} ({}), peak {}, reserved {} | {categories}",
+            record.device,
+            human_bytes(cuda.after.allocated),
+            signed_bytes(cuda.after.allocated as i128 - cuda.before.allocated as i128),
+            human_bytes(cuda.peak.allocated),
+            human_bytes(cuda.after.reserved),
+        ),
+        None => format!(
+            "{}: {categories} (allocator counters are CUDA-only)",
+            record.device
+        ),
+    }
+}
+
+/// The display shown after a cell: text, HTML with the chart and a table, and the JSON record.
+pub fn cell_display(record: &MemoryRecord) -> Display {
+    let mut data = Map::new();
+    data.insert("text/plain".into(), Value::String(one_line(record)));
+    let chart = chart::stacked_bar(record).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    data.insert("text/html".into(), Value::String(html(record, &chart)));
+    data.insert(
+        RECORD_MIME.into(),
+        serde_json::to_value(record).unwrap_or_default(),
+    );
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
+fn html(record: &MemoryRecord, chart: &str) -> String {
+    let mut rows = String::new();
+    for category in &record.categories {
+        rows.push_str(&format!(
+            "<tr><td>{}</td><td style='text-align:right'>{}</td><td>{}</td><td>{}</td></tr>",
+            category.name.label(),
+            human_bytes(category.bytes),
+            if category.exact { "exact" } else { "inferred" },
+            escape(&category.how),
+        ));
+    }
+    let notes: String = record
+        .notes
+        .iter()
+        .map(|n| format!("<li>{}</li>", escape(n)))
+        .collect();
+    format!(
+        "<div class='tchmem-memory'><div>{}</div>{chart}<details><summary>categories</summary>\
+         <table><tr><th>category</th><th>bytes</th><th></th><th>how</th></tr>{rows}</table>\
+         <ul>{notes}</ul></details></div>",
+        escape(&one_line(record))
+    )
+}
+
+/// The history of all cells' records as a table (`%memhistory`).
+pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
+    let mut text = String::from("run  device   bytes      change     peak       reserved\n");
+    let mut rows = String::new();
+    for (run, record) in records {
+        let (allocated, change, peak, reserved) = match &record.cuda {
+            Some(c) => (
+                human_bytes(c.after.allocated),
+                signed_bytes(c.after.allocated as i128 - c.before.allocated as i128),
+                human_bytes(c.peak.allocated),
+                human_bytes(c.after.reserved),
+            ),
+            None => {
+                let known: u64 = record.categories.iter().map(|c| c.bytes).sum();
+                (human_bytes(known), "-".into(), "-".into(), "-".into())
+            }
+        };
+        text.push_str(&format!(
+            "{run:<4} {:<8} {allocated:<10} {change:<10} {peak:<10} {reserved}\n",
+            record.device
+        ));
+        rows.push_str(&format!(
+            "<tr><td>{run}</td><td>{}</td><td>{allocated}</td><td>{change}</td><td>{peak}</td>\
+             <td>{reserved}</td></tr>",
+            record.device
+        ));
+    }
+    if records.is_empty() {
+        text = "no memory records yet (they need tch in the kernel)".into();
+    }
+    let mut data = Map::new();
+    data.insert("text/plain".into(), Value::String(text));
+    data.insert(
+        "text/html".into(),
+        Value::String(format!(
+            "<table><tr><th>run</th><th>device</th><th title='allocated on CUDA; watched tensors on CPU'>bytes</th><th>change</th>\
+             <th>peak</th><th>reserved</th></tr>{rows}</table>"
+        )),
+    );
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory};
+
+    fn gpu_record() -> MemoryRecord {
+        let mib = 1024 * 1024;
+        let category = |name, bytes, exact| Category {
+            name,
+            bytes,
+            exact,
+            how: "test".into(),
+        };
+        MemoryRecord {
+            device: "cuda:0".into(),
+            cuda: Some(CudaMemory {
+                before: Counters::default(),
+                after: Counters {
+                    allocated: 1536 * mib,
+                    reserved: 2048 * mib,
+                    ..Default::default()
+                },
+                peak: Counters {
+                    allocated: 1800 * mib,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }),
+            categories: vec![
+                category(CategoryName::Parameters, 384 * mib, true),
+                category(CategoryName::Gradients, 384 * mib, true),
+                category(CategoryName::OptimizerState, 768 * mib, false),
+                category(CategoryName::Activations, 0, false),
+                category(CategoryName::InputBatch, mib, true),
+                category(CategoryName::Fragmentation, 512 * mib, true),
+                category(CategoryName::CudaContext, 800 * mib, false),
+            ],
+            notes: vec![],
+        }
+    }
+
+    #[test]
+    fn chart_is_svg_with_every_category_labelled() {
+        let svg = chart::stacked_bar(&gpu_record()).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        for name in [
+            "parameters",
+            "gradients",
+            "optimizer state",
+            "activations",
+            "input batch",
+            "fragmentation + cache",
+            "CUDA context + workspace",
+        ] {
+            assert!(svg.contains(name), "{name} missing from the chart");
+        }
+    }
+
+    #[test]
+    fn one_line_says_allocated_change_and_peak() {
+        let line = one_line(&gpu_record());
+        assert!(
+            line.starts_with("cuda:0: allocated 1.5 GiB (+1.5 GiB), peak 1.8 GiB"),
+            "{line}"
+        );
+        assert!(line.contains("parameters 384.0 MiB"));
+    }
+
+    #[test]
+    fn auto_mode_shows_only_changes() {
+        let record = gpu_record();
+        assert!(changed(&record, None));
+        let mut idle = record.clone();
+        let cuda = idle.cuda.as_mut().unwrap();
+        cuda.before = cuda.after;
+        cuda.peak = cuda.after;
+        assert!(!changed(&idle, Some(&record)));
+    }
+}

@@ -1,0 +1,90 @@
+"""Per-cell memory records through the real kernel: categories of a watched model, the inline
+summary, and the %memprofile / %memhistory magics (CPU: categories from tensor sizes)."""
+
+from conftest import execute, outputs, stream_text
+
+RECORD_MIME = "application/vnd.tchmem.record+json"
+
+
+def memory_displays(messages):
+    return [d for d in outputs(messages, "display_data") if RECORD_MIME in d["data"]]
+
+
+def category_bytes(record, name):
+    return sum(c["bytes"] for c in record["categories"] if c["name"] == name)
+
+
+def test_watched_model_categories_equal_its_tensor_bytes(kernel):
+    _, kc = kernel
+    execute(kc, "%memprofile auto")
+    code = """
+use tch::nn::Module;
+let mem_vs: tch::nn::VarStore = tch::nn::VarStore::new(tch::Device::Cpu);
+let mem_model: tch::nn::Linear = tch::nn::linear(mem_vs.root(), 100, 30, Default::default());
+tchmem::watch(&mem_vs);
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    (display,) = memory_displays(messages)
+    record = display["data"][RECORD_MIME]
+    parameters = (100 * 30 + 30) * 4
+    assert record["device"] == "cpu"
+    assert category_bytes(record, "parameters") == parameters
+    assert category_bytes(record, "gradients") == 0
+    assert display["data"]["text/plain"].startswith("cpu: parameters 11.8 KiB")
+    html = display["data"]["text/html"]
+    assert "<svg" in html and "parameters" in html
+
+    code = """
+let mem_x: tch::Tensor = tch::Tensor::ones([8, 100], (tch::Kind::Float, tch::Device::Cpu));
+tchmem::watch_batch(&mem_x);
+mem_model.forward(&mem_x).sum(tch::Kind::Float).backward();
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    record = memory_displays(messages)[0]["data"][RECORD_MIME]
+    assert category_bytes(record, "gradients") == parameters
+    assert category_bytes(record, "input_batch") == 8 * 100 * 4
+    # On CPU every category comes from tensor sizes, so all are exact; the record says what is
+    # CUDA-only.
+    assert all(c["exact"] for c in record["categories"])
+    assert any("CUDA-only" in note for note in record["notes"])
+
+
+def test_memprofile_modes(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, "%memprofile off")
+    assert reply["status"] == "ok" and "off" in stream_text(messages)
+    code = "let mem_vs2: tch::nn::VarStore = tch::nn::VarStore::new(tch::Device::Cpu);\n" \
+           "let _l: tch::nn::Linear = tch::nn::linear(mem_vs2.root(), 4, 4, Default::default());\n" \
+           "tchmem::watch(&mem_vs2);"
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok" and memory_displays(messages) == []
+    reply, messages = execute(kc, "%memprofile always\n1 + 1")
+    assert reply["status"] == "ok" and len(memory_displays(messages)) == 1
+    reply, messages = execute(kc, "%memprofile auto\n2 + 2")
+    assert reply["status"] == "ok" and memory_displays(messages) == []
+
+
+def test_memhistory_lists_every_recorded_cell(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, "%memhistory")
+    assert reply["status"] == "ok"
+    (table,) = outputs(messages, "display_data")
+    assert table["data"]["text/plain"].startswith("run  device")
+    assert "cpu" in table["data"]["text/plain"] and "<table>" in table["data"]["text/html"]
+
+
+def test_magics_explain_help_and_mistakes_and_the_kernel_continues(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, "%memprofile --help")
+    assert reply["status"] == "ok" and "Usage: %memprofile [MODE]" in stream_text(messages)
+    reply, _ = execute(kc, "%memprofile sometimes")
+    assert reply["status"] == "error" and reply["ename"] == "MagicError"
+    assert "possible values: auto, always, off" in reply["evalue"]
+    reply, _ = execute(kc, "%memprofile --fast")
+    assert reply["status"] == "error" and "--fast" in reply["evalue"]
+    reply, _ = execute(kc, "%nosuchmagic")
+    assert reply["status"] == "error" and "%memprofile" in reply["evalue"]
+    reply, messages = execute(kc, "40 + 2")
+    assert reply["status"] == "ok"
