@@ -25,4 +25,21 @@ fn main() {
         .flag("-fno-devirtualize-speculatively")
         .warnings(false)
         .compile("tchmem_shim");
+
+    // Programs built from this crate (examples, tests) must load libtorch_cuda themselves: cargo
+    // does not pass tch's link arguments on, and the linker would drop the unreferenced library,
+    // leaving tch without CUDA on a GPU machine (notes/libtorch.md). Cells get it from the
+    // kernel's child instead.
+    let lib = torch.join("lib");
+    for kind in ["examples", "tests"] {
+        for arg in [
+            format!("-L{}", lib.display()),
+            "-Wl,--no-as-needed".into(),
+            "-ltorch_cuda".into(),
+            "-lc10_cuda".into(),
+            "-Wl,--as-needed".into(),
+        ] {
+            println!("cargo:rustc-link-arg-{kind}={arg}");
+        }
+    }
 }
