@@ -50,7 +50,11 @@ def test_hello_notebook_shows_its_results():
     assert "loss: first step" in all_text(notebook)
     mimes = {m for c in code for o in c.outputs if o["output_type"] == "display_data"
              for m in o["data"]}
-    assert {"text/html", "image/svg+xml"} <= mimes
+    assert {"text/html", "image/svg+xml", "application/vnd.tchmem.record+json"} <= mimes
+    records = [o["data"]["application/vnd.tchmem.record+json"] for c in code for o in c.outputs
+               if "application/vnd.tchmem.record+json" in o.get("data", {})]
+    parameters = {c["name"]: c["bytes"] for c in records[-1]["categories"]}["parameters"]
+    assert parameters == (1 + 1) * 4  # Linear(1, 1): one weight, one bias, f32
 
 
 def test_tchmem_execute_stops_at_a_failing_cell_and_says_why(tmp_path):

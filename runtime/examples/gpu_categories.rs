@@ -24,7 +24,11 @@ fn main() {
     }
     tchmem::watch(&vs);
     let built = record::after_cell();
-    let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+    let parameters: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
 
     let mut opt = nn::Adam::default().build(&vs, 1e-4).unwrap();
     let x = Tensor::randn([64, width], (Kind::Float, device));

@@ -52,9 +52,20 @@ fn main() {
     }
     let recorded = started.elapsed().as_secs_f64() / cells as f64;
 
-    println!("device: {device:?}, {cells} cells, {} categories per record", categories / cells);
+    println!(
+        "device: {device:?}, {cells} cells, {} categories per record",
+        categories / cells
+    );
     println!("{:<36} {:>10}", "per cell", "ms");
     println!("{:<36} {:>10.3}", "step without recording", plain * 1e3);
-    println!("{:<36} {:>10.3}", "step with before/after hooks", recorded * 1e3);
-    println!("{:<36} {:>10.3}", "recording overhead", (recorded - plain) * 1e3);
+    println!(
+        "{:<36} {:>10.3}",
+        "step with before/after hooks",
+        recorded * 1e3
+    );
+    println!(
+        "{:<36} {:>10.3}",
+        "recording overhead",
+        (recorded - plain) * 1e3
+    );
 }
