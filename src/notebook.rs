@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, StreamName};
 
@@ -134,10 +134,7 @@ pub fn execute(
                     "traceback": error.traceback,
                 }));
             } else if !outcome.data.is_empty() {
-                let data: Map<String, Value> = std::mem::take(&mut outcome.data)
-                    .into_iter()
-                    .map(|(mime, text)| (mime, Value::String(text)))
-                    .collect();
+                let data = outcome.take_result();
                 outputs.push(json!({
                     "output_type": "execute_result",
                     "execution_count": execution_count,

@@ -78,14 +78,7 @@ impl Handle {
 fn bundle(representations: &[(&str, &str)]) -> Map<String, Value> {
     representations
         .iter()
-        .map(|(mime, content)| {
-            let is_json = *mime == "application/json" || mime.ends_with("+json");
-            let value = is_json
-                .then(|| serde_json::from_str(content).ok())
-                .flatten()
-                .unwrap_or_else(|| Value::String(content.to_string()));
-            (mime.to_string(), value)
-        })
+        .map(|(mime, content)| (mime.to_string(), tchmem_wire::bundle_value(mime, content)))
         .collect()
 }
 

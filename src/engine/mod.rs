@@ -51,6 +51,19 @@ pub struct CellOutcome {
     pub memory_display: Option<tchmem_wire::Display>,
 }
 
+impl CellOutcome {
+    /// Takes the cell's result as a Jupyter bundle (JSON MIME types as JSON).
+    pub fn take_result(&mut self) -> serde_json::Map<String, serde_json::Value> {
+        std::mem::take(&mut self.data)
+            .into_iter()
+            .map(|(mime, text)| {
+                let value = tchmem_wire::bundle_value(&mime, &text);
+                (mime, value)
+            })
+            .collect()
+    }
+}
+
 /// A completion answer: candidates replacing the characters `start..end` (in chars).
 #[derive(Debug, Default)]
 pub struct CompletionOutcome {

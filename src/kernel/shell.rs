@@ -195,11 +195,7 @@ impl Shell {
                 traceback: error.traceback,
             }));
         } else if !outcome.data.is_empty() && !silent {
-            let data = media(
-                std::mem::take(&mut outcome.data)
-                    .into_iter()
-                    .map(|(mime, text)| (mime.clone(), mime_value(&mime, text))),
-            );
+            let data = media(outcome.take_result());
             let mut result = ExecuteResult::new(count, data);
             // Protocol validators want an object here, never null.
             result.transient = Some(Transient::default());
@@ -276,15 +272,4 @@ impl Shell {
 fn media<K: Into<String>>(entries: impl IntoIterator<Item = (K, Value)>) -> Media {
     let map: Map<String, Value> = entries.into_iter().map(|(k, v)| (k.into(), v)).collect();
     serde_json::from_value(Value::Object(map)).unwrap_or_default()
-}
-
-/// evcxr hands every representation over as text; JSON ones are sent as JSON.
-fn mime_value(mime: &str, text: String) -> Value {
-    let is_json = mime == "application/json" || mime.ends_with("+json");
-    if is_json {
-        if let Ok(value) = serde_json::from_str(&text) {
-            return value;
-        }
-    }
-    Value::String(text)
 }

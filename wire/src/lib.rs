@@ -23,6 +23,22 @@ pub const STDERR_SYNC_PREFIX: &str = "TCHMEM_STDERR_SYNC ";
 /// Prefix of a stdout line that carries a [`CellMessage`] as one line of JSON.
 pub const MESSAGE_PREFIX: &str = "TCHMEM_MSG ";
 
+/// Whether a MIME type carries JSON (sent as JSON, not as text, in Jupyter bundles).
+pub fn is_json_mime(mime: &str) -> bool {
+    mime == "application/json" || mime.ends_with("+json")
+}
+
+/// A bundle value for `content` of type `mime`: JSON types are parsed (falling back to text
+/// when the content is not valid JSON), others stay text.
+pub fn bundle_value(mime: &str, content: &str) -> Value {
+    if is_json_mime(mime) {
+        if let Ok(value) = serde_json::from_str(content) {
+            return value;
+        }
+    }
+    Value::String(content.to_string())
+}
+
 /// The child's account of one cell.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CellReport {
