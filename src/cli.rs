@@ -43,6 +43,15 @@ enum Command {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Draw a memory record (application/vnd.tchmem.record+json, as a file) as the SVG chart
+    /// the kernel shows under a cell.
+    Chart {
+        /// The record, as JSON.
+        record: PathBuf,
+        /// Where to write the SVG.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
 }
 
 /// Options shared by the commands that run cells.
@@ -73,6 +82,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Install(args) => crate::install::install(&args),
+        Command::Chart { record, output } => chart(&record, &output),
         Command::Execute {
             notebook,
             output,
@@ -87,6 +97,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             result
         }
     }
+}
+
+fn chart(record: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(record)
+        .with_context(|| format!("cannot read {}", record.display()))?;
+    let record: tchmem_wire::memory::MemoryRecord = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a tchmem memory record", record.display()))?;
+    let svg = crate::report::chart_svg(&record).map_err(|e| anyhow::anyhow!(e))?;
+    std::fs::write(output, svg).with_context(|| format!("cannot write {}", output.display()))?;
+    Ok(())
 }
 
 /// Prepares the process environment and starts the engine thread. The returned workdir lock

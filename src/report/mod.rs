@@ -13,6 +13,11 @@ use format::{human_bytes, signed_bytes};
 /// MIME type of a memory record in outputs.
 pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
 
+/// The chart of a record as a standalone SVG document.
+pub fn chart_svg(record: &MemoryRecord) -> Result<String, String> {
+    chart::stacked_bar(record)
+}
+
 /// Whether a cell changed memory enough to be worth showing in `auto` mode.
 pub fn changed(record: &MemoryRecord, previous: Option<&MemoryRecord>) -> bool {
     if let Some(cuda) = &record.cuda {
