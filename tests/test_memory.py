@@ -88,3 +88,15 @@ def test_magics_explain_help_and_mistakes_and_the_kernel_continues(kernel):
     assert reply["status"] == "error" and "%memprofile" in reply["evalue"]
     reply, messages = execute(kc, "40 + 2")
     assert reply["status"] == "ok"
+
+
+def test_memsummary_shows_the_allocator_counters_or_says_they_are_cuda_only(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, "%memsummary")
+    assert reply["status"] == "ok"
+    (table,) = outputs(messages, "display_data")
+    text = table["data"]["text/plain"]
+    assert "after run" in text and "<table>" in table["data"]["text/html"]
+    assert "CUDA-only" in text  # CI has no GPU; on CUDA the counters are listed instead
+    reply, messages = execute(kc, "%memsummary --help")
+    assert reply["status"] == "ok" and "Usage: %memsummary" in stream_text(messages)

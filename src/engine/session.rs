@@ -145,16 +145,20 @@ impl Session {
             (io.output)(CellOutput::Stream(StreamName::Stdout, text + "\n"));
         };
         match magics::parse(line) {
-            Ok(Magic::MemProfile(Some(mode))) => {
+            Ok(Magic::Profile(Some(mode))) => {
                 self.profile_mode = mode;
                 show(format!("memory summaries: {}", mode_name(mode)));
             }
-            Ok(Magic::MemProfile(None)) => show(format!(
+            Ok(Magic::Profile(None)) => show(format!(
                 "memory summaries: {}",
                 mode_name(self.profile_mode)
             )),
-            Ok(Magic::MemHistory) => {
+            Ok(Magic::History) => {
                 (io.output)(CellOutput::Display(report::history_display(&self.records)));
+            }
+            Ok(Magic::Summary) => {
+                let last = self.records.last().map(|(run, record)| (*run, record));
+                (io.output)(CellOutput::Display(report::summary_display(last)));
             }
             Err(MagicReply::Help(help)) => show(help),
             Err(MagicReply::Error(message)) => return Err(CellError::new("MagicError", message)),

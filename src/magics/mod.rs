@@ -23,9 +23,11 @@ pub enum ProfileMode {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Magic {
     /// `%memprofile [MODE]`: set (or show) when memory is shown.
-    MemProfile(Option<ProfileMode>),
+    Profile(Option<ProfileMode>),
     /// `%memhistory`: the records of every cell so far.
-    MemHistory,
+    History,
+    /// `%memsummary`: the allocator's counters after the last cell, as a table.
+    Summary,
 }
 
 /// What a magic line produced when it is not a magic to apply.
@@ -58,7 +60,17 @@ struct MemProfileArgs {
 )]
 struct MemHistoryArgs {}
 
-const MAGICS: &str = "%memprofile, %memhistory";
+/// Show the CUDA caching allocator's counters after the last cell that ran code, as a table
+/// (PyTorch's memory_summary, readable in a notebook).
+#[derive(Parser)]
+#[command(
+    name = "%memsummary",
+    no_binary_name = true,
+    disable_version_flag = true
+)]
+struct MemSummaryArgs {}
+
+const MAGICS: &str = "%memprofile, %memhistory, %memsummary";
 
 /// Splits a cell into its leading magic lines and the code after them.
 pub fn split(cell: &str) -> (Vec<&str>, &str) {
@@ -82,10 +94,13 @@ pub fn parse(line: &str) -> Result<Magic, MagicReply> {
     let args: Vec<&str> = words.collect();
     match name {
         "%memprofile" => MemProfileArgs::try_parse_from(&args)
-            .map(|a| Magic::MemProfile(a.mode))
+            .map(|a| Magic::Profile(a.mode))
             .map_err(reply),
         "%memhistory" => MemHistoryArgs::try_parse_from(&args)
-            .map(|_| Magic::MemHistory)
+            .map(|_| Magic::History)
+            .map_err(reply),
+        "%memsummary" => MemSummaryArgs::try_parse_from(&args)
+            .map(|_| Magic::Summary)
             .map_err(reply),
         other => Err(MagicReply::Error(format!(
             "unknown magic {other}; tchmem knows {MAGICS} (each takes --help). \
@@ -123,9 +138,9 @@ mod tests {
     fn memprofile_modes_help_and_mistakes() {
         assert_eq!(
             parse("%memprofile always"),
-            Ok(Magic::MemProfile(Some(ProfileMode::Always)))
+            Ok(Magic::Profile(Some(ProfileMode::Always)))
         );
-        assert_eq!(parse("%memprofile"), Ok(Magic::MemProfile(None)));
+        assert_eq!(parse("%memprofile"), Ok(Magic::Profile(None)));
         assert!(
             matches!(parse("%memprofile --help"), Err(MagicReply::Help(h)) if h.contains("auto"))
         );

@@ -145,6 +145,90 @@ pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
     }
 }
 
+/// The allocator's counters after run `run` as a table (`%memsummary`).
+pub fn summary_display(last: Option<(usize, &MemoryRecord)>) -> Display {
+    let mut rows: Vec<(String, String)> = Vec::new();
+    let heading = match last {
+        None => "no memory records yet (they need tch in the kernel)".to_string(),
+        Some((run, record)) => {
+            match &record.cuda {
+                Some(cuda) => {
+                    let counters = [
+                        ("allocated", cuda.after.allocated, cuda.peak.allocated),
+                        ("reserved", cuda.after.reserved, cuda.peak.reserved),
+                        ("active", cuda.after.active, cuda.peak.active),
+                        ("requested", cuda.after.requested, cuda.peak.requested),
+                    ];
+                    for (name, now, peak) in counters {
+                        rows.push((
+                            format!("{name} (now / peak in run {run})"),
+                            format!("{} / {}", human_bytes(now), human_bytes(peak)),
+                        ));
+                    }
+                    rows.push((
+                        "fragmentation + cache (reserved − allocated)".into(),
+                        human_bytes(cuda.after.reserved.saturating_sub(cuda.after.allocated)),
+                    ));
+                    rows.push((
+                        "allocations in the run".into(),
+                        cuda.allocations.to_string(),
+                    ));
+                    rows.push((
+                        "alloc retries / OOMs in the run".into(),
+                        format!("{} / {}", cuda.alloc_retries, cuda.ooms),
+                    ));
+                    rows.push((
+                        "device free / total".into(),
+                        format!(
+                            "{} / {}",
+                            human_bytes(cuda.device_free),
+                            human_bytes(cuda.device_total)
+                        ),
+                    ));
+                    rows.push((
+                        "this process (NVML)".into(),
+                        cuda.nvml_process.map_or("unavailable".into(), human_bytes),
+                    ));
+                }
+                None => rows.push((
+                    "allocator counters".into(),
+                    "CUDA-only: this kernel's libtorch has no CUDA device".into(),
+                )),
+            }
+            for category in &record.categories {
+                rows.push((
+                    category.name.label().to_string(),
+                    human_bytes(category.bytes),
+                ));
+            }
+            format!("{} after run {run}", record.device)
+        }
+    };
+    let width = rows
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    let mut text = heading.clone();
+    let mut html = format!("<div><b>{}</b><table>", escape(&heading));
+    for (key, value) in &rows {
+        text.push_str(&format!("\n{key:<width$}  {value}"));
+        html.push_str(&format!(
+            "<tr><td>{}</td><td style='text-align:right'>{}</td></tr>",
+            escape(key),
+            escape(value)
+        ));
+    }
+    html.push_str("</table></div>");
+    let mut data = Map::new();
+    data.insert("text/plain".into(), Value::String(text));
+    data.insert("text/html".into(), Value::String(html));
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
 fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -217,6 +301,21 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("parameters 384.0 MiB"));
+    }
+
+    #[test]
+    fn summary_lists_counters_on_cuda_and_says_so_on_cpu() {
+        let record = gpu_record();
+        let text = summary_display(Some((3, &record))).data["text/plain"].to_string();
+        assert!(text.contains("cuda:0 after run 3"), "{text}");
+        assert!(text.contains("allocated (now / peak in run 3)"), "{text}");
+        assert!(text.contains("1.5 GiB / 1.8 GiB"), "{text}");
+        let cpu = MemoryRecord {
+            device: "cpu".into(),
+            ..Default::default()
+        };
+        let text = summary_display(Some((1, &cpu))).data["text/plain"].to_string();
+        assert!(text.contains("CUDA-only"), "{text}");
     }
 
     #[test]
