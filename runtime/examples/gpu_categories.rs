@@ -1,11 +1,11 @@
-//! GPU check of the per-cell record: a ~200M-parameter fp32 MLP trained one Adam step, recorded
-//! the way the kernel records a cell. Prints one JSON object: the parameter count and the records
-//! after building the model and after the first training step.
+//! GPU check of the per-cell record: a ~200M-parameter fp32 MLP trained with Adam, recorded the
+//! way the kernel records cells ("build", then two training-step cells using
+//! `tchmem::phase::train_step`). Prints one JSON object with the parameter count and the records.
 //!
 //!     cargo run --release -p tchmem-runtime --example gpu_categories > record.json
 //!
-//! Expect parameters ≈ gradients ≈ 4 bytes × P, and Adam's two moments (8 bytes × P) inside
-//! "other tensors" until optimizer state is told apart.
+//! Expect parameters ≈ gradients ≈ 4 bytes × P, optimizer state ≈ 8 bytes × P (Adam's two
+//! moments, created by the first step) and activations at backward of a few MB.
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -33,16 +33,21 @@ fn main() {
     let mut opt = nn::Adam::default().build(&vs, 1e-4).unwrap();
     let x = Tensor::randn([64, width], (Kind::Float, device));
     tchmem::watch_batch(&x);
-    record::before_cell();
-    let loss = model.forward(&x).square().mean(Kind::Float);
-    opt.backward_step(&loss); // zeroes gradients before backward, so they remain after
-    let stepped = record::after_cell();
+    let mut steps = Vec::new();
+    for _ in 0..2 {
+        record::before_cell();
+        let loss =
+            tchmem::phase::train_step(&mut opt, || model.forward(&x).square().mean(Kind::Float));
+        eprintln!("loss {}", loss.double_value(&[]));
+        steps.push(record::after_cell());
+    }
 
     let json = serde_json::json!({
         "device": format!("{device:?}"),
         "parameters": parameters,
         "after_build": built,
-        "after_first_adam_step": stepped,
+        "after_first_adam_step": steps[0],
+        "after_second_adam_step": steps[1],
     });
     println!("{}", serde_json::to_string_pretty(&json).unwrap());
 }

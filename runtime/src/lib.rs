@@ -15,6 +15,7 @@ pub mod input {
     pub use evcxr_input::{get_password, get_string};
 }
 mod panic_hook;
+pub mod phase;
 
 pub use tch;
 pub use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};

@@ -9,7 +9,7 @@ use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRe
 use crate::{cuda_stats, nvml, watch};
 
 /// The CUDA device the records describe.
-const DEVICE: i64 = 0;
+pub(crate) const DEVICE: i64 = 0;
 
 /// Counters noted before a cell.
 pub struct Before {
@@ -37,6 +37,7 @@ pub fn before_cell() {
     if before.is_some() {
         let _ = cuda_stats::reset_peak_stats(DEVICE);
     }
+    crate::phase::before_cell();
     *self::before() = before;
 }
 
@@ -86,14 +87,22 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
     let mut categories = known_categories(known);
+    let (optimizer_state, at_backward) = crate::phase::after_cell();
+    if optimizer_state > 0 {
+        categories.push(crate::phase::optimizer_category(optimizer_state));
+    }
     let counted: u64 = categories.iter().map(|c| c.bytes).sum();
     categories.push(Category {
         name: CategoryName::Other,
         bytes: stats.current.allocated.saturating_sub(counted),
         exact: false,
-        how: "allocated bytes minus the categories above: activations, optimizer state and \
-              temporaries not yet told apart"
-            .into(),
+        how: if optimizer_state > 0 {
+            "allocated bytes minus the categories above".into()
+        } else {
+            "allocated bytes minus the categories above: optimizer state and other tensors \
+             (mark the step with tchmem::phase to tell them apart)"
+                .into()
+        },
     });
     categories.push(Category {
         name: CategoryName::Fragmentation,
@@ -116,6 +125,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         device: format!("cuda:{DEVICE}"),
         cuda: Some(cuda),
         categories,
+        at_backward,
         notes,
     }
 }
@@ -126,6 +136,7 @@ fn cpu_record(why: String) -> MemoryRecord {
         device: "cpu".into(),
         cuda: None,
         categories: known_categories(known),
+        at_backward: None,
         notes: vec![format!(
             "No allocator counters: {why}. On CPU the categories come from the watched tensors' \
              sizes; peaks, fragmentation and the CUDA context are CUDA-only."
@@ -133,7 +144,7 @@ fn cpu_record(why: String) -> MemoryRecord {
     }
 }
 
-fn known_categories(known: watch::Known) -> Vec<Category> {
+pub(crate) fn known_categories(known: watch::Known) -> Vec<Category> {
     let mut categories = Vec::new();
     if known.stores > 0 {
         categories.push(Category {

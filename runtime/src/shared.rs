@@ -11,6 +11,7 @@ use std::sync::{Mutex, OnceLock};
 
 use tchmem_wire::{ChildSlot, CHILD_SLOT_SYMBOL};
 
+use crate::phase::Phases;
 use crate::record::Before;
 use crate::watch::Watched;
 
@@ -20,6 +21,8 @@ pub struct Shared {
     pub watched: Mutex<Watched>,
     /// Counters noted before the running cell.
     pub before: Mutex<Option<Before>>,
+    /// What the training-step markers measured.
+    pub phases: Mutex<Phases>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -52,6 +55,7 @@ pub fn shared() -> &'static Shared {
             Box::leak(Box::new(Shared {
                 watched: Mutex::new(Watched::default()),
                 before: Mutex::new(None),
+                phases: Mutex::new(Phases::default()),
             }))
         };
         let Some(slot) = child_slot() else {

@@ -56,3 +56,23 @@ fn cuda_counters_degrade_with_a_reason() {
     let error = tchmem::cuda_stats::device_stats(0).unwrap_err();
     assert!(error.contains("not available"), "{error}");
 }
+
+#[test]
+fn train_step_runs_forward_backward_and_step_with_markers_off_cuda() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = nn::linear(vs.root(), 3, 1, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    record::before_cell();
+    let first =
+        tchmem::phase::train_step(&mut opt, || model.forward(&x).square().mean(Kind::Float));
+    let mut last = first.double_value(&[]);
+    for _ in 0..20 {
+        let loss =
+            tchmem::phase::train_step(&mut opt, || model.forward(&x).square().mean(Kind::Float));
+        last = loss.double_value(&[]);
+    }
+    assert!(last < first.double_value(&[]));
+    // Without CUDA the markers measure nothing, and the record says so by having no snapshot.
+    assert!(record::after_cell().at_backward.is_none());
+}

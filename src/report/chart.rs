@@ -1,7 +1,7 @@
 //! The per-cell chart: one stacked bar of the memory categories (plotters, SVG).
 
 use plotters::prelude::*;
-use tchmem_wire::memory::{CategoryName, MemoryRecord};
+use tchmem_wire::memory::{Category, CategoryName};
 
 use super::format::human_bytes;
 
@@ -20,11 +20,18 @@ fn colour(name: CategoryName) -> RGBColor {
 }
 
 /// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
-pub fn stacked_bar(record: &MemoryRecord) -> Result<String, String> {
+pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, String> {
+    let bytes = |name| -> u64 {
+        categories
+            .iter()
+            .filter(|c| c.name == name)
+            .map(|c| c.bytes)
+            .sum()
+    };
     let present: Vec<(CategoryName, u64)> = CategoryName::ALL
         .iter()
-        .map(|&name| (name, record.bytes(name)))
-        .filter(|(name, _)| record.categories.iter().any(|c| c.name == *name))
+        .map(|&name| (name, bytes(name)))
+        .filter(|(name, _)| categories.iter().any(|c| c.name == *name))
         .collect();
     let total: u64 = present.iter().map(|(_, bytes)| bytes).sum();
     let (width, height) = (640u32, 90 + 18 * present.len().div_ceil(2) as u32);
@@ -32,7 +39,7 @@ pub fn stacked_bar(record: &MemoryRecord) -> Result<String, String> {
     {
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let title = format!("{}: {} in categories", record.device, human_bytes(total));
+        let title = format!("{title}: {}", human_bytes(total));
         root.draw(&Text::new(title, (10, 8), ("sans-serif", 14).into_font()))
             .map_err(|e| e.to_string())?;
         let (left, right, top, bar) = (10i32, width as i32 - 10, 30i32, 24i32);

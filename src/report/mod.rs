@@ -13,9 +13,13 @@ use format::{human_bytes, signed_bytes};
 /// MIME type of a memory record in outputs.
 pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
 
-/// The chart of a record as a standalone SVG document.
+/// The chart of a record as a standalone SVG document (after the cell).
 pub fn chart_svg(record: &MemoryRecord) -> Result<String, String> {
-    chart::stacked_bar(record)
+    chart::stacked_bar(&after_title(record), &record.categories)
+}
+
+fn after_title(record: &MemoryRecord) -> String {
+    format!("{} after the cell", record.device)
 }
 
 /// Whether a cell changed memory enough to be worth showing in `auto` mode.
@@ -39,11 +43,20 @@ pub fn one_line(record: &MemoryRecord) -> String {
         .filter(|c| c.bytes > 0)
         .map(|c| format!("{} {}", c.name.label(), human_bytes(c.bytes)))
         .collect();
-    let categories = if categories.is_empty() {
+    let mut categories = if categories.is_empty() {
         "no watched tensors (tchmem::watch(&vs))".to_string()
     } else {
         categories.join(", ")
     };
+    if let Some(activations) = record.at_backward.as_ref().and_then(|at| {
+        at.iter()
+            .find(|c| c.name == tchmem_wire::memory::CategoryName::Activations)
+    }) {
+        categories.push_str(&format!(
+            "; activations at backward {}",
+            human_bytes(activations.bytes)
+        ));
+    }
     match &record.cuda {
         Some(cuda) => format!(
             "{}: allocated {} ({}), peak {}, reserved {} | {categories}",
@@ -64,7 +77,17 @@ pub fn one_line(record: &MemoryRecord) -> String {
 pub fn cell_display(record: &MemoryRecord) -> Display {
     let mut data = Map::new();
     data.insert("text/plain".into(), Value::String(one_line(record)));
-    let chart = chart::stacked_bar(record).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let mut chart = chart_svg(record).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    if let Some(at_backward) = &record.at_backward {
+        let title = format!(
+            "{} at the start of backward (peak of the step)",
+            record.device
+        );
+        chart.push_str(
+            &chart::stacked_bar(&title, at_backward)
+                .unwrap_or_else(|e| format!("<!-- chart: {e} -->")),
+        );
+    }
     data.insert("text/html".into(), Value::String(html(record, &chart)));
     data.insert(
         RECORD_MIME.into(),
@@ -263,6 +286,7 @@ mod tests {
                 },
                 ..Default::default()
             }),
+            at_backward: None,
             categories: vec![
                 category(CategoryName::Parameters, 384 * mib, true),
                 category(CategoryName::Gradients, 384 * mib, true),
@@ -278,7 +302,7 @@ mod tests {
 
     #[test]
     fn chart_is_svg_with_every_category_labelled() {
-        let svg = chart::stacked_bar(&gpu_record()).unwrap();
+        let svg = chart_svg(&gpu_record()).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         for name in [
             "parameters",

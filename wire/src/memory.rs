@@ -113,6 +113,10 @@ pub struct MemoryRecord {
     pub cuda: Option<CudaMemory>,
     /// Categories after the cell.
     pub categories: Vec<Category>,
+    /// Categories at the start of the cell's last backward pass (`tchmem::phase::backward`),
+    /// where activations are alive: usually the training step's peak.
+    #[serde(default)]
+    pub at_backward: Option<Vec<Category>>,
     /// What could not be measured, and why.
     pub notes: Vec<String>,
 }
