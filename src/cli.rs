@@ -51,6 +51,9 @@ enum Command {
         /// Where to write the SVG.
         #[arg(short, long)]
         output: PathBuf,
+        /// Title of the chart [default: "<device> after the cell"].
+        #[arg(long)]
+        title: Option<String>,
     },
 }
 
@@ -82,7 +85,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Install(args) => crate::install::install(&args),
-        Command::Chart { record, output } => chart(&record, &output),
+        Command::Chart {
+            record,
+            output,
+            title,
+        } => chart(&record, &output, title.as_deref()),
         Command::Execute {
             notebook,
             output,
@@ -99,12 +106,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-fn chart(record: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
+fn chart(
+    record: &std::path::Path,
+    output: &std::path::Path,
+    title: Option<&str>,
+) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(record)
         .with_context(|| format!("cannot read {}", record.display()))?;
     let record: tchmem_wire::memory::MemoryRecord = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a tchmem memory record", record.display()))?;
-    let svg = crate::report::chart_svg(&record).map_err(|e| anyhow::anyhow!(e))?;
+    let svg = crate::report::chart_svg(&record, title).map_err(|e| anyhow::anyhow!(e))?;
     std::fs::write(output, svg).with_context(|| format!("cannot write {}", output.display()))?;
     Ok(())
 }

@@ -13,13 +13,14 @@ use format::{human_bytes, signed_bytes};
 /// MIME type of a memory record in outputs.
 pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
 
-/// The chart of a record as a standalone SVG document (after the cell).
-pub fn chart_svg(record: &MemoryRecord) -> Result<String, String> {
-    chart::stacked_bar(&after_title(record), &record.categories)
-}
-
-fn after_title(record: &MemoryRecord) -> String {
-    format!("{} after the cell", record.device)
+/// The chart of a record's categories as a standalone SVG document; the title defaults to
+/// "<device> after the cell".
+pub fn chart_svg(record: &MemoryRecord, title: Option<&str>) -> Result<String, String> {
+    let title = title.map_or_else(
+        || format!("{} after the cell", record.device),
+        str::to_string,
+    );
+    chart::stacked_bar(&title, &record.categories)
 }
 
 /// Whether a cell changed memory enough to be worth showing in `auto` mode.
@@ -77,7 +78,7 @@ pub fn one_line(record: &MemoryRecord) -> String {
 pub fn cell_display(record: &MemoryRecord) -> Display {
     let mut data = Map::new();
     data.insert("text/plain".into(), Value::String(one_line(record)));
-    let mut chart = chart_svg(record).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let mut chart = chart_svg(record, None).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
     if let Some(at_backward) = &record.at_backward {
         let title = format!(
             "{} at the start of backward (peak of the step)",
@@ -302,7 +303,7 @@ mod tests {
 
     #[test]
     fn chart_is_svg_with_every_category_labelled() {
-        let svg = chart_svg(&gpu_record()).unwrap();
+        let svg = chart_svg(&gpu_record(), None).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         for name in [
             "parameters",
