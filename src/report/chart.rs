@@ -80,3 +80,58 @@ pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, Strin
     }
     Ok(svg)
 }
+
+/// An SVG with one column per run, stacked by category, for `%memhistory`.
+pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> {
+    let totals: Vec<u64> = runs
+        .iter()
+        .map(|(_, categories)| categories.iter().map(|c| c.bytes).sum())
+        .collect();
+    let highest = totals.iter().copied().max().unwrap_or(0).max(1);
+    let (width, height) = (640u32, 220u32);
+    let (left, right, top, bottom) = (70i32, width as i32 - 10, 30i32, height as i32 - 30);
+    let slot = ((right - left) / runs.len().max(1) as i32).clamp(4, 48);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let font = ("sans-serif", 12).into_font();
+        let title = "memory after each run (stacked by category)";
+        root.draw(&Text::new(title, (10, 8), ("sans-serif", 14).into_font()))
+            .map_err(|e| e.to_string())?;
+        root.draw(&Text::new(human_bytes(highest), (4, top), font.clone()))
+            .map_err(|e| e.to_string())?;
+        root.draw(&Text::new("0", (4, bottom - 12), font.clone()))
+            .map_err(|e| e.to_string())?;
+        let scale = (bottom - top) as f64 / highest as f64;
+        for (i, (run, categories)) in runs.iter().enumerate() {
+            let x = left + i as i32 * slot;
+            let mut y = bottom as f64;
+            for name in CategoryName::ALL {
+                let bytes: u64 = categories
+                    .iter()
+                    .filter(|c| c.name == name)
+                    .map(|c| c.bytes)
+                    .sum();
+                let h = bytes as f64 * scale;
+                if h > 0.0 {
+                    let rect = Rectangle::new(
+                        [
+                            (x, (y - h).round() as i32),
+                            (x + slot - 2, y.round() as i32),
+                        ],
+                        colour(name).filled(),
+                    );
+                    root.draw(&rect).map_err(|e| e.to_string())?;
+                }
+                y -= h;
+            }
+            if runs.len() <= 40 || i % (runs.len() / 20).max(1) == 0 {
+                root.draw(&Text::new(run.to_string(), (x, bottom + 6), font.clone()))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}

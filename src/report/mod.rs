@@ -154,12 +154,21 @@ pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
     if records.is_empty() {
         text = "no memory records yet (they need tch in the kernel)".into();
     }
+    let columns: Vec<(usize, &[tchmem_wire::memory::Category])> = records
+        .iter()
+        .map(|(run, record)| (*run, record.categories.as_slice()))
+        .collect();
+    let chart = if records.is_empty() {
+        String::new()
+    } else {
+        chart::history_columns(&columns).unwrap_or_else(|e| format!("<!-- chart: {e} -->"))
+    };
     let mut data = Map::new();
     data.insert("text/plain".into(), Value::String(text));
     data.insert(
         "text/html".into(),
         Value::String(format!(
-            "<table><tr><th>run</th><th>device</th><th title='allocated on CUDA; watched tensors on CPU'>bytes</th><th>change</th>\
+            "{chart}<table><tr><th>run</th><th>device</th><th title='allocated on CUDA; watched tensors on CPU'>bytes</th><th>change</th>\
              <th>peak</th><th>reserved</th></tr>{rows}</table>"
         )),
     );
@@ -316,6 +325,17 @@ mod tests {
         ] {
             assert!(svg.contains(name), "{name} missing from the chart");
         }
+    }
+
+    #[test]
+    fn history_chart_has_a_column_per_run() {
+        let record = gpu_record();
+        let records = vec![(1, record.clone()), (2, record)];
+        let html = history_display(&records).data["text/html"].to_string();
+        assert!(
+            html.contains("<svg") && html.contains("stacked by category"),
+            "{html}"
+        );
     }
 
     #[test]
