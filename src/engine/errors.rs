@@ -4,6 +4,8 @@
 use evcxr::{CompilationError, Error as EvcxrError};
 
 use super::streams::{Leftovers, PanicReport};
+use crate::report::format::human_bytes;
+use tchmem_wire::memory::MemoryRecord;
 
 /// A failed cell, as Jupyter shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +93,33 @@ pub fn panic(leftovers: &Leftovers) -> CellError {
     error
 }
 
+/// A failed cell whose memory record counted an out-of-memory error becomes an
+/// `OutOfMemory` error that says where memory stood; any other error is returned unchanged.
+/// The allocator's OOM counter decides, not the message text.
+pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
+    let Some(cuda) = record.cuda.as_ref().filter(|c| c.ooms > 0) else {
+        return error;
+    };
+    let message = format!(
+        "CUDA ran out of memory in this cell (the allocator counted {} OOM{}). After the cell: \
+         allocated {}, reserved {}, device free {} of {}; the cell's peak allocation was {}.\n\
+         Variables defined in this cell were dropped; earlier ones are intact. To make it fit: \
+         see where memory goes in the summary below (tchmem::watch, tchmem::phase), use a \
+         smaller batch, or drop tensors you no longer need.",
+        cuda.ooms,
+        if cuda.ooms == 1 { "" } else { "s" },
+        human_bytes(cuda.after.allocated),
+        human_bytes(cuda.after.reserved),
+        human_bytes(cuda.device_free),
+        human_bytes(cuda.device_total),
+        human_bytes(cuda.peak.allocated),
+    );
+    let mut oom = CellError::new("OutOfMemory", message);
+    oom.traceback
+        .push(format!("{}: {}", error.ename, error.evalue));
+    oom
+}
+
 /// A panic as the default hook would have printed it.
 pub fn describe_panic(panic: &PanicReport) -> String {
     let location = panic.location.as_deref().unwrap_or("an unknown location");
@@ -159,6 +188,7 @@ fn first_line(text: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tchmem_wire::memory::CudaMemory;
 
     #[test]
     fn panic_message_and_location_come_from_stderr() {
@@ -194,6 +224,27 @@ mod tests {
             panic(&in_a_crate).evalue,
             "index out of bounds (at tch-0.24.0/src/tensor.rs:9:9)"
         );
+    }
+
+    #[test]
+    fn an_oom_counted_by_the_allocator_becomes_an_out_of_memory_error() {
+        let panic = CellError::new("Panic", "Internal torch error: CUDA out of memory");
+        let mut record = MemoryRecord {
+            device: "cuda:0".into(),
+            cuda: Some(CudaMemory {
+                ooms: 1,
+                device_total: 80 << 30,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let oom = out_of_memory(panic.clone(), &record);
+        assert_eq!(oom.ename, "OutOfMemory");
+        assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("of 80.0 GiB"));
+        assert!(oom.traceback.last().unwrap().contains("CUDA out of memory"));
+        // No OOM counted: the error stays what it was, whatever its text says.
+        record.cuda.as_mut().unwrap().ooms = 0;
+        assert_eq!(out_of_memory(panic.clone(), &record), panic);
     }
 
     #[test]

@@ -135,6 +135,9 @@ impl Session {
             if show {
                 outcome.memory_display = Some(report::cell_display(&record));
             }
+            if let Some(error) = outcome.error.take() {
+                outcome.error = Some(errors::out_of_memory(error, &record));
+            }
             self.records.push((self.runs, record));
         }
         outcome
