@@ -100,3 +100,28 @@ def test_memsummary_shows_the_allocator_counters_or_says_they_are_cuda_only(kern
     assert "CUDA-only" in text  # CI has no GPU; on CUDA the counters are listed instead
     reply, messages = execute(kc, "%memsummary --help")
     assert reply["status"] == "ok" and "Usage: %memsummary" in stream_text(messages)
+
+
+def test_var_stores_are_watched_without_being_told(kernel):
+    _, kc = kernel
+    execute(kc, "%memprofile auto")
+    code = """
+let auto_vs: tch::nn::VarStore = tch::nn::VarStore::new(tch::Device::Cpu);
+let _auto_layer: tch::nn::Linear = tch::nn::linear(auto_vs.root(), 10, 10, Default::default());
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    (display,) = memory_displays(messages)
+    record = display["data"][RECORD_MIME]
+    # Other tests' stores may be watched too; this one's 110 floats must be among the parameters.
+    assert category_bytes(record, "parameters") >= (10 * 10 + 10) * 4
+    before = category_bytes(record, "parameters")
+    # Binding the name anew watches the new store (the old one is dropped).
+    code = """
+let auto_vs: tch::nn::VarStore = tch::nn::VarStore::new(tch::Device::Cpu);
+let _auto_layer: tch::nn::Linear = tch::nn::linear(auto_vs.root(), 20, 10, Default::default());
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    record = memory_displays(messages)[0]["data"][RECORD_MIME]
+    assert category_bytes(record, "parameters") == before + (20 * 10 + 10 - 110) * 4

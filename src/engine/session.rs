@@ -17,6 +17,15 @@ use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 use crate::magics::{self, Magic, MagicReply, ProfileMode};
 use crate::report;
 
+/// Whether `code` has a `let` binding of `name` (so the variable may hold a new value).
+fn binds(code: &str, name: &str) -> bool {
+    code.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|word| !word.is_empty())
+        .collect::<Vec<_>>()
+        .windows(3)
+        .any(|w| w[0] == "let" && (w[1] == name || (w[1] == "mut" && w[2] == name)))
+}
+
 fn mode_name(mode: ProfileMode) -> &'static str {
     match mode {
         ProfileMode::Auto => "auto (after cells that changed memory)",
@@ -46,6 +55,8 @@ pub struct Session {
     records: Vec<(usize, MemoryRecord)>,
     /// Cells run so far (magic-only cells included).
     runs: usize,
+    /// Variables holding a VarStore that the session already watches for the user.
+    auto_watched: std::collections::HashSet<String>,
     control: Arc<Control>,
 }
 
@@ -62,6 +73,7 @@ impl Session {
             profile_mode: ProfileMode::default(),
             records: Vec::new(),
             runs: 0,
+            auto_watched: Default::default(),
             control,
         };
         match create_context(&config) {
@@ -126,6 +138,14 @@ impl Session {
             return CellOutcome::default();
         }
         let mut outcome = self.run_code(code, io);
+        if outcome.error.is_none() {
+            if let Some(categories) = self.watch_new_var_stores(code) {
+                // The cell's counters stay; the categories now count the new stores.
+                if let Some(memory) = outcome.report.as_mut().and_then(|r| r.memory.as_mut()) {
+                    memory.categories = categories;
+                }
+            }
+        }
         if let Some(record) = outcome.report.as_ref().and_then(|r| r.memory.clone()) {
             let show = match self.profile_mode {
                 ProfileMode::Always => true,
@@ -141,6 +161,41 @@ impl Session {
             self.records.push((self.runs, record));
         }
         outcome
+    }
+
+    /// Watches VarStores the user's variables hold that are not watched yet, or that `code` just
+    /// bound anew (the user need not call `tchmem::watch`). Returns the categories measured after
+    /// watching them, if any were.
+    fn watch_new_var_stores(&mut self, code: &str) -> Option<Vec<tchmem_wire::memory::Category>> {
+        self.child_setup?; // no runtime, nothing to watch with
+        let (context, _) = self.context.as_ref()?;
+        let new: Vec<String> = context
+            .variables_and_types()
+            .filter(|(_, ty)| ty.rsplit("::").next() == Some("VarStore"))
+            .map(|(name, _)| name.to_string())
+            .filter(|name| !self.auto_watched.contains(name) || binds(code, name))
+            .collect();
+        if new.is_empty() {
+            return None;
+        }
+        let code: String = new
+            .iter()
+            .map(|name| format!("tchmem::watch(&{name});\n"))
+            .collect();
+        self.auto_watched.extend(new);
+        let quiet: super::OutputSink = Arc::new(|_| {});
+        let outcome = self.run_code(
+            &code,
+            CellIo {
+                output: quiet,
+                input: None,
+            },
+        );
+        if let Some(error) = &outcome.error {
+            tracing::debug!("could not watch a VarStore: {}", error.evalue);
+            return None;
+        }
+        outcome.report?.memory.map(|record| record.categories)
     }
 
     fn apply_magic(&mut self, line: &str, io: &CellIo) -> Result<(), CellError> {
@@ -304,5 +359,18 @@ impl Session {
                 InspectOutcome::default()
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::binds;
+
+    #[test]
+    fn let_bindings_are_recognised() {
+        assert!(binds("let vs = nn::VarStore::new(d);", "vs"));
+        assert!(binds("let mut vs: nn::VarStore = x;", "vs"));
+        assert!(!binds("let vs2 = 1; watch(&vs);", "vs"));
+        assert!(!binds("tchmem::watch(&vs);", "vs"));
     }
 }
