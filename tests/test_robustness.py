@@ -106,3 +106,21 @@ def test_cells_queued_behind_a_failed_cell_are_aborted(kernel):
         reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
         replies[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
     assert [replies[i] for i in ids] == ["error", "ok"]
+
+
+def test_output_without_a_final_newline_arrives_and_the_cell_completes(kernel):
+    _, kc = kernel
+    code = 'use std::io::Write;\nprint!("no newline");\nstd::io::stdout().flush().unwrap();'
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    text = stream_text(messages)
+    assert "no newline" in text and "TCHMEM" not in text
+
+
+def test_restart_command_gives_a_fresh_child_that_is_set_up_again(kernel):
+    _, kc = kernel
+    reply, _ = execute(kc, ":restart")
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, 'panic!("after a restart")')
+    assert reply["ename"] == "Panic" and reply["evalue"] == "after a restart", reply
+    assert "panicked at" not in stream_text(messages, "stderr")

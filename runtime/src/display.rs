@@ -50,9 +50,14 @@ pub struct Handle {
 impl Handle {
     /// Shows `content` as `mime` and returns a handle to replace it later.
     pub fn new(mime: &str, content: &str) -> Handle {
+        // Each cell links its own copy of this crate (and of this counter), so the id also
+        // carries the time, which differs between cells.
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
         let id = format!(
-            "tchmem-{}-{}",
+            "tchmem-{}-{nanos}-{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );

@@ -22,7 +22,7 @@ pub struct Phases {
     forward_start: Option<u64>,
     step_start: Option<u64>,
     /// Largest growth of allocated bytes across an optimizer step (the first step creates the
-    /// state); kept for the session.
+    /// state); kept while a watched model is alive.
     pub optimizer_state: u64,
     /// Categories at the start of the last backward pass of the running cell.
     pub at_backward: Option<Vec<Category>>,
@@ -114,6 +114,11 @@ pub fn optimizer_category(bytes: u64) -> Category {
               (phase::step → phase::end), where optimizers create their state"
             .into(),
     }
+}
+
+/// Forgets the optimizer-state estimate (when no watched model is alive any more).
+pub(crate) fn forget_optimizer_state() {
+    phases().optimizer_state = 0;
 }
 
 /// Starts a cell: forgets the previous cell's backward snapshot.

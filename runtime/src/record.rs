@@ -87,6 +87,10 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
     let mut categories = known_categories(known);
+    if known.stores == 0 {
+        // The model is gone, and with it (as far as we can tell) its optimizer.
+        crate::phase::forget_optimizer_state();
+    }
     let (optimizer_state, at_backward) = crate::phase::after_cell();
     if optimizer_state > 0 {
         categories.push(crate::phase::optimizer_category(optimizer_state));

@@ -70,9 +70,23 @@ pub fn shared() -> &'static Shared {
             return fresh();
         }
         let created = fresh();
-        slot.state_tag.store(tag(), Ordering::Release);
-        slot.state
-            .store(created as *const Shared as *mut c_void, Ordering::Release);
-        created
+        let pointer = created as *const Shared as *mut c_void;
+        match slot.state.compare_exchange(
+            std::ptr::null_mut(),
+            pointer,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => {
+                slot.state_tag.store(tag(), Ordering::Release);
+                created
+            }
+            // Another copy got there first: use its state (ours is leaked, a few bytes).
+            // SAFETY: as above; the tag check keeps other builds out.
+            Err(winner) if slot.state_tag.load(Ordering::Acquire) == tag() => unsafe {
+                &*(winner as *const Shared)
+            },
+            Err(_) => created,
+        }
     })
 }

@@ -14,10 +14,6 @@ pub struct Watched {
     batch: Option<Tensor>,
 }
 
-// SAFETY: tch tensors are reference-counted libtorch tensors that libtorch allows to be used
-// from any thread; the registry only reads their sizes under the mutex.
-unsafe impl Send for Watched {}
-
 fn watched() -> std::sync::MutexGuard<'static, Watched> {
     crate::shared::shared()
         .watched

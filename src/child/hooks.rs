@@ -56,15 +56,13 @@ impl CellHooks {
             memory_missing,
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
-        self.tap
-            .write_line(&format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}"));
-        self.tap.write_line(&json);
-        self.tap.write_line("EVCXR_END_CONTENT");
+        let begin = format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}");
+        self.tap.write_lines(&[&begin, &json, "EVCXR_END_CONTENT"]);
         eprintln!("{STDERR_SYNC_PREFIX}{}", report.sync_token);
     }
 
     /// Writes a protocol line to the kernel.
     pub fn write_line(&self, line: &str) {
-        self.tap.write_line(line);
+        self.tap.write_lines(&[line]);
     }
 }

@@ -61,11 +61,14 @@ impl StdoutTap {
         self.synced.recv().unwrap_or(false)
     }
 
-    /// Writes one line to the kernel, bypassing the pipe.
-    pub fn write_line(&self, line: &str) {
+    /// Writes lines to the kernel, bypassing the pipe, together: nothing a cell's background
+    /// thread prints can land between them.
+    pub fn write_lines(&self, lines: &[&str]) {
+        let mut text = lines.join("\n");
+        text.push('\n');
         let mut out = self.real_stdout.lock().unwrap_or_else(|e| e.into_inner());
         // A broken pipe means the kernel has gone; the next read of stdin ends the child.
-        let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
     }
 }
 
@@ -73,7 +76,15 @@ fn forward(pipe: File, real_stdout: &Mutex<File>, synced: &mpsc::Sender<bool>) {
     let mut panicked = false;
     for line in BufReader::new(pipe).split(b'\n') {
         let Ok(mut line) = line else { return };
-        if line == SYNC_MARKER {
+        if line.ends_with(SYNC_MARKER) {
+            // Text the cell printed without a final newline arrives glued to the marker: pass it
+            // on as a line of its own.
+            let text = &line[..line.len() - SYNC_MARKER.len()];
+            if !text.is_empty() {
+                let mut out = real_stdout.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = out.write_all(text).and_then(|_| out.write_all(b"\n"));
+                let _ = out.flush();
+            }
             let _ = synced.send(std::mem::take(&mut panicked));
             continue;
         }

@@ -89,7 +89,9 @@ type Job = Box<dyn FnOnce(&mut Session) + Send>;
 /// State shared with the engine thread that must be reachable while it is busy.
 #[derive(Default)]
 struct Control {
-    running: AtomicBool,
+    /// A cell is running. A mutex, not an atomic: interrupt checks it and kills the child while
+    /// holding it, so a cell that just finished cannot lose its process to a late interrupt.
+    running: Mutex<bool>,
     interrupt_requested: AtomicBool,
     child: Mutex<Option<Arc<Mutex<Child>>>>,
 }
@@ -111,7 +113,7 @@ impl Engine {
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
-                let mut session = Session::start(config, thread_control);
+                let mut session = Session::start(config, Arc::clone(&thread_control));
                 for job in queue {
                     // An internal evcxr panic must not take the kernel down with it.
                     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -119,6 +121,10 @@ impl Engine {
                     }));
                     if caught.is_err() {
                         tracing::error!("internal error in the engine; continuing");
+                        *thread_control
+                            .running
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner()) = false;
                     }
                 }
             })
@@ -168,7 +174,12 @@ impl Engine {
     /// Stops the running cell, if any, by stopping the child process (Rust code cannot be
     /// unwound from outside). Returns whether a cell was running.
     pub fn interrupt(&self) -> bool {
-        if !self.control.running.load(Ordering::SeqCst) {
+        let running = self
+            .control
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if !*running {
             return false;
         }
         self.control

@@ -17,6 +17,13 @@ use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 use crate::magics::{self, Magic, MagicReply, ProfileMode};
 use crate::report;
 
+/// The id of the child process now running cells.
+fn child_pid(control: &Control) -> Option<u32> {
+    let child = control.child.lock().unwrap_or_else(|e| e.into_inner());
+    let child = child.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
+    Some(child.id())
+}
+
 /// Whether `code` has a `let` binding of `name` (so the variable may hold a new value).
 fn binds(code: &str, name: &str) -> bool {
     code.split(|c: char| !(c.is_alphanumeric() || c == '_'))
@@ -265,9 +272,23 @@ impl Session {
         self.control
             .interrupt_requested
             .store(false, Ordering::SeqCst);
-        self.control.running.store(true, Ordering::SeqCst);
+        let child_before = child_pid(&self.control);
+        *self
+            .control
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = true;
         let result = context.execute_with_callbacks(code, &mut callbacks);
-        self.control.running.store(false, Ordering::SeqCst);
+        *self
+            .control
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = false;
+        // A crash, an interrupt, or evcxr's :restart / :clear: a new child needs setting up.
+        if child_pid(&self.control) != child_before {
+            self.child_restarted = true;
+            self.auto_watched.clear();
+        }
         let interrupted = self
             .control
             .interrupt_requested
@@ -292,7 +313,6 @@ impl Session {
                 }
             }
             Err(error) => {
-                self.child_restarted = matches!(error, evcxr::Error::SubprocessTerminated(_));
                 let termination = if interrupted {
                     Termination::Interrupted
                 } else {

@@ -90,8 +90,7 @@ impl StreamPump {
                                 continue;
                             }
                             if name == StreamName::Stderr {
-                                guard.leftovers.stderr.push_str(&line);
-                                guard.leftovers.stderr.push('\n');
+                                keep_tail(&mut guard.leftovers.stderr, &line);
                             }
                             let output = match classify(name, line) {
                                 Classified::Output(output) => output,
@@ -148,6 +147,22 @@ impl StreamPump {
         let mut current = lock(&self.current);
         current.sink = None;
         std::mem::take(&mut current.leftovers)
+    }
+}
+
+/// How much of a cell's stderr is kept to find a panic message in (its end).
+const STDERR_KEPT: usize = 64 * 1024;
+
+/// Appends a line to `kept`, dropping the oldest text beyond [`STDERR_KEPT`].
+fn keep_tail(kept: &mut String, line: &str) {
+    kept.push_str(line);
+    kept.push('\n');
+    if kept.len() > STDERR_KEPT {
+        let mut cut = kept.len() - STDERR_KEPT;
+        while !kept.is_char_boundary(cut) {
+            cut += 1;
+        }
+        kept.drain(..cut);
     }
 }
 

@@ -87,12 +87,12 @@ fn glob(pattern: &str, text: &str) -> bool {
     let (mut pi, mut ti) = (0, 0);
     let mut backtrack: Option<(usize, usize)> = None;
     while ti < t.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
+        if pi < p.len() && p[pi] == '*' {
             backtrack = Some((pi, ti));
             pi += 1;
+        } else if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
         } else if let Some((star, matched)) = backtrack {
             pi = star + 1;
             ti = matched + 1;
@@ -157,5 +157,6 @@ mod tests {
         assert!(glob("a*c", "abbbc"));
         assert!(!glob("a*c", "abcd"));
         assert!(glob("1?2*", "1+2 + 3"));
+        assert!(glob("*", "*x += 1;"));
     }
 }

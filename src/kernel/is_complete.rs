@@ -139,7 +139,8 @@ fn skip_raw_string(chars: &[char], mut i: usize) -> Option<usize> {
 fn skip_char_literal(chars: &[char], start: usize) -> usize {
     match chars.get(start + 1) {
         Some('\\') => {
-            let mut i = start + 2;
+            // Skip the escaped character itself: it may be a quote ('\'').
+            let mut i = start + 3;
             while i < chars.len() && chars[i] != '\'' && chars[i] != '\n' {
                 i += 1;
             }
@@ -165,6 +166,7 @@ mod tests {
         assert_eq!(judge(":dep tch = { version = \"0.24\" }"), Complete);
         assert_eq!(judge("fn f<'a>(x: &'a str) -> &'a str { x }"), Complete);
         assert_eq!(judge("let c = '{'; let d = '\\''; let e = b'}';"), Complete);
+        assert_eq!(judge("let p = ('\\'', '{');"), Complete);
         assert_eq!(judge("let s = \"}\"; // {\n/* { /* } */ } */"), Complete);
         assert_eq!(judge("let s = r#\"a \" } \"#;"), Complete);
         assert_eq!(judge("let s = br\"{\";"), Complete);

@@ -81,8 +81,13 @@ pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, Strin
     Ok(svg)
 }
 
-/// An SVG with one column per run, stacked by category, for `%memhistory`.
+/// Most columns `%memhistory` draws; older runs stay in its table.
+const MAX_COLUMNS: usize = 120;
+
+/// An SVG with one column per run (the latest [`MAX_COLUMNS`]), stacked by category, for
+/// `%memhistory`.
 pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> {
+    let runs = &runs[runs.len().saturating_sub(MAX_COLUMNS)..];
     let totals: Vec<u64> = runs
         .iter()
         .map(|(_, categories)| categories.iter().map(|c| c.bytes).sum())
