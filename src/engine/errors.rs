@@ -135,7 +135,7 @@ fn panic_message(stderr: &str) -> Option<String> {
     let lines: Vec<&str> = stderr.lines().collect();
     let start = lines
         .iter()
-        .rposition(|line| line.starts_with("thread '") && line.contains("' panicked at "))?;
+        .rposition(|line| line.starts_with("thread '") && line.contains(" panicked at "))?;
     let message: Vec<&str> = lines[start + 1..]
         .iter()
         .take_while(|line| !line.starts_with("note: ") && !line.starts_with("stack backtrace:"))
@@ -192,8 +192,9 @@ mod tests {
 
     #[test]
     fn panic_message_and_location_come_from_stderr() {
-        let stderr = "some output\nthread '<unnamed>' panicked at src/lib.rs:12:5:\nboom: 3\n\
-                      note: run with `RUST_BACKTRACE=1`\n";
+        // Rust 1.95 writes the thread id after the name.
+        let stderr = "some output\nthread '<unnamed>' (19559) panicked at src/lib.rs:12:5:\n\
+                      boom: 3\nnote: run with `RUST_BACKTRACE=1`\n";
         let error = panic(&Leftovers {
             stderr: stderr.into(),
             panics: Vec::new(),

@@ -235,17 +235,27 @@ impl Session {
     fn run_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
         if std::mem::take(&mut self.child_restarted) {
             if let Some(setup) = self.child_setup {
-                let quiet: super::OutputSink = Arc::new(|_| {});
-                let outcome = self.run_code(
-                    setup,
-                    CellIo {
-                        output: quiet,
-                        input: None,
-                    },
-                );
-                if let Some(error) = outcome.error {
-                    tracing::warn!("could not set up the restarted child: {}", error.evalue);
+                // The first cell after evcxr's :restart can take the new child down again
+                // (evcxr still expects the old variables); evcxr then starts a clean one, so
+                // one more try.
+                for attempt in 1..=2 {
+                    let quiet: super::OutputSink = Arc::new(|_| {});
+                    let outcome = self.run_code(
+                        setup,
+                        CellIo {
+                            output: quiet,
+                            input: None,
+                        },
+                    );
+                    match outcome.error {
+                        None => break,
+                        Some(error) => tracing::warn!(
+                            "could not set up the restarted child (attempt {attempt}): {}",
+                            error.evalue
+                        ),
+                    }
                 }
+                self.child_restarted = false;
             }
         }
         for notice in self.notices.drain(..) {
