@@ -1,15 +1,15 @@
 //! Input requests: a running cell asks, the frontend that sent the request answers on stdin.
 
-use std::sync::Arc;
-
 use jupyter_protocol::{InputRequest, JupyterMessage, JupyterMessageContent};
 use jupyter_zmq_client::KernelStdinConnection;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, watch};
 
 struct Ask {
     parent: JupyterMessage,
     prompt: String,
     password: bool,
+    /// The cancel generation when the cell asked; any later cancel abandons this request.
+    generation: u64,
     answer: oneshot::Sender<String>,
 }
 
@@ -17,7 +17,7 @@ struct Ask {
 #[derive(Clone)]
 pub struct StdinBridge {
     asks: mpsc::UnboundedSender<Ask>,
-    cancelled: Arc<Notify>,
+    cancels: watch::Sender<u64>,
 }
 
 impl StdinBridge {
@@ -29,6 +29,7 @@ impl StdinBridge {
             parent: parent.clone(),
             prompt: prompt.to_string(),
             password,
+            generation: *self.cancels.borrow(),
             answer,
         };
         if self.asks.send(ask).is_err() {
@@ -37,48 +38,56 @@ impl StdinBridge {
         answered.blocking_recv().unwrap_or_default()
     }
 
-    /// Abandons a pending input request.
+    /// Abandons the pending input request, if any (also one not sent yet).
     pub fn cancel(&self) {
-        self.cancelled.notify_waiters();
+        self.cancels.send_modify(|generation| *generation += 1);
     }
 }
 
 /// Starts the task that owns the stdin socket.
 pub fn spawn(mut socket: KernelStdinConnection) -> StdinBridge {
     let (asks, mut pending) = mpsc::unbounded_channel::<Ask>();
-    let cancelled = Arc::new(Notify::new());
-    let bridge = StdinBridge {
-        asks,
-        cancelled: Arc::clone(&cancelled),
-    };
+    let (cancels, mut cancelled) = watch::channel(0u64);
     tokio::spawn(async move {
         while let Some(ask) = pending.recv().await {
-            let request = InputRequest {
-                prompt: ask.prompt,
-                password: ask.password,
-            }
-            .as_child_of(&ask.parent);
-            if let Err(error) = socket.send(request).await {
-                tracing::warn!("cannot send input_request: {error}");
-                let _ = ask.answer.send(String::new());
-                continue;
-            }
-            let value = tokio::select! {
-                value = read_reply(&mut socket) => value,
-                _ = cancelled.notified() => String::new(),
-            };
+            let value = answer(&mut socket, &mut cancelled, &ask).await;
             let _ = ask.answer.send(value);
         }
     });
-    bridge
+    StdinBridge { asks, cancels }
 }
 
-async fn read_reply(socket: &mut KernelStdinConnection) -> String {
+/// Sends one input request and waits for its reply; empty if cancelled.
+async fn answer(
+    socket: &mut KernelStdinConnection,
+    cancelled: &mut watch::Receiver<u64>,
+    ask: &Ask,
+) -> String {
+    if *cancelled.borrow_and_update() != ask.generation {
+        return String::new();
+    }
+    let request = InputRequest {
+        prompt: ask.prompt.clone(),
+        password: ask.password,
+    }
+    .as_child_of(&ask.parent);
+    if let Err(error) = socket.send(request).await {
+        tracing::warn!("cannot send input_request: {error}");
+        return String::new();
+    }
     loop {
-        let message = super::next_message(socket, "stdin").await;
-        if let JupyterMessageContent::InputReply(reply) = message.content {
-            return reply.value;
+        tokio::select! {
+            // jupyter_client sends input_reply without a parent header, so a reply cannot be
+            // matched to its request; one request is outstanding at a time.
+            message = super::next_message(socket, "stdin") => match message.content {
+                JupyterMessageContent::InputReply(reply) => return reply.value,
+                _ => tracing::debug!("ignoring {} on stdin", message.header.msg_type),
+            },
+            changed = cancelled.changed() => {
+                if changed.is_err() || *cancelled.borrow_and_update() != ask.generation {
+                    return String::new();
+                }
+            }
         }
-        tracing::debug!("ignoring {} on stdin", message.header.msg_type);
     }
 }
