@@ -19,6 +19,17 @@ pub struct Before {
     ooms: i64,
 }
 
+impl From<&cuda_stats::DeviceStats> for Before {
+    fn from(stats: &cuda_stats::DeviceStats) -> Self {
+        Before {
+            counters: stats.current,
+            allocations: stats.allocations,
+            alloc_retries: stats.alloc_retries,
+            ooms: stats.ooms,
+        }
+    }
+}
+
 fn before() -> std::sync::MutexGuard<'static, Option<Before>> {
     crate::shared::shared()
         .before
@@ -28,12 +39,9 @@ fn before() -> std::sync::MutexGuard<'static, Option<Before>> {
 
 /// Starts a cell: resets the allocator's peaks and remembers the counters.
 pub fn before_cell() {
-    let before = cuda_stats::device_stats(DEVICE).ok().map(|stats| Before {
-        counters: stats.current,
-        allocations: stats.allocations,
-        alloc_retries: stats.alloc_retries,
-        ooms: stats.ooms,
-    });
+    let before = cuda_stats::device_stats(DEVICE)
+        .ok()
+        .map(|stats| Before::from(&stats));
     if before.is_some() {
         let _ = cuda_stats::reset_peak_stats(DEVICE);
     }
@@ -67,12 +75,8 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
     let nvml_process = nvml::process_bytes(DEVICE as u32)
         .map_err(|why| notes.push(why))
         .ok();
-    let before = before.unwrap_or(Before {
-        counters: stats.current,
-        allocations: stats.allocations,
-        alloc_retries: stats.alloc_retries,
-        ooms: stats.ooms,
-    });
+    // Without a before-cell snapshot the cell counts as having changed nothing.
+    let before = before.unwrap_or_else(|| Before::from(&stats));
     let cuda = CudaMemory {
         device: DEVICE,
         before: before.counters,

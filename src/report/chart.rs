@@ -1,7 +1,7 @@
 //! The per-cell chart: one stacked bar of the memory categories (plotters, SVG).
 
 use plotters::prelude::*;
-use tchmem_wire::memory::{Category, CategoryName};
+use tchmem_wire::memory::{category_bytes, Category, CategoryName};
 
 use super::format::human_bytes;
 
@@ -21,16 +21,9 @@ fn colour(name: CategoryName) -> RGBColor {
 
 /// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
 pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, String> {
-    let bytes = |name| -> u64 {
-        categories
-            .iter()
-            .filter(|c| c.name == name)
-            .map(|c| c.bytes)
-            .sum()
-    };
     let present: Vec<(CategoryName, u64)> = CategoryName::ALL
         .iter()
-        .map(|&name| (name, bytes(name)))
+        .map(|&name| (name, category_bytes(categories, name)))
         .filter(|(name, _)| categories.iter().any(|c| c.name == *name))
         .collect();
     let total: u64 = present.iter().map(|(_, bytes)| bytes).sum();
@@ -113,12 +106,7 @@ pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> 
             let x = left + i as i32 * slot;
             let mut y = bottom as f64;
             for name in CategoryName::ALL {
-                let bytes: u64 = categories
-                    .iter()
-                    .filter(|c| c.name == name)
-                    .map(|c| c.bytes)
-                    .sum();
-                let h = bytes as f64 * scale;
+                let h = category_bytes(categories, name) as f64 * scale;
                 if h > 0.0 {
                     let rect = Rectangle::new(
                         [

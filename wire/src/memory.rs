@@ -124,10 +124,15 @@ pub struct MemoryRecord {
 impl MemoryRecord {
     /// Bytes of `name`, 0 if absent.
     pub fn bytes(&self, name: CategoryName) -> u64 {
-        self.categories
-            .iter()
-            .filter(|c| c.name == name)
-            .map(|c| c.bytes)
-            .sum()
+        category_bytes(&self.categories, name)
     }
+}
+
+/// Bytes of `name` in `categories`, 0 if absent.
+pub fn category_bytes(categories: &[Category], name: CategoryName) -> u64 {
+    categories
+        .iter()
+        .filter(|c| c.name == name)
+        .map(|c| c.bytes)
+        .sum()
 }
