@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 fn main() {
-    println!("cargo:rerun-if-changed=csrc/memory.cpp");
+    println!("cargo:rerun-if-changed=csrc");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
         .expect("torch-sys did not report libtorch's location (DEP_TCH_LIBTORCH_LIB)");
     let torch = PathBuf::from(lib)
@@ -14,6 +14,8 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("csrc/memory.cpp")
+        .file("csrc/checkpoint.cpp")
+        .file("csrc/autocast.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -1,23 +1,55 @@
-//! GPU check of the out-of-memory signal the kernel relies on: an allocation larger than the
-//! device must show up as `ooms` in the cell's record (the allocator's counter), whatever the
-//! error text says. Prints the record as JSON.
+//! GPU check of the out-of-memory signals the kernel relies on: (1) one request larger than the
+//! device, (2) memory filled with 4 GiB tensors until an allocation fails. For each, whether the
+//! allocator's OOM counter (`ooms` in the record) moved and libtorch's message. Prints JSON.
 //!
 //!     cargo run --release -p tchmem-runtime --example gpu_oom > oom.json
 
 use tch::{Device, Kind, Tensor};
 use tchmem::record;
 
+fn first_line(error: tch::TchError) -> String {
+    error
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
 fn main() {
     let device = Device::cuda_if_available();
+
     record::before_cell();
     // 1 Ti float32 elements = 4 TiB: more than any GPU has.
     let result = Tensor::f_zeros([1 << 40], (Kind::Float, device));
-    let record = record::after_cell();
+    let oversized = serde_json::json!({
+        "allocation_failed": result.is_err(),
+        "error": result.err().map(first_line),
+        "record": record::after_cell(),
+    });
+
+    record::before_cell();
+    let mut held = Vec::new();
+    let error = loop {
+        match Tensor::f_zeros([1 << 30], (Kind::Float, device)) {
+            Ok(t) => held.push(t),
+            Err(e) => break first_line(e),
+        }
+        if held.len() > 1024 {
+            break "no failure after 4 TiB".into();
+        }
+    };
+    let filled = serde_json::json!({
+        "tensors_of_4_GiB_held": held.len(),
+        "error": error,
+        "record": record::after_cell(),
+    });
+    drop(held);
+
     let json = serde_json::json!({
         "device": format!("{device:?}"),
-        "allocation_failed": result.is_err(),
-        "error": result.err().map(|e| e.to_string().lines().next().unwrap_or_default().to_string()),
-        "record": record,
+        "oversized_request": oversized,
+        "memory_filled": filled,
     });
     println!("{}", serde_json::to_string_pretty(&json).unwrap());
 }

@@ -1,6 +1,8 @@
 //! The CUDA caching allocator's counters, through the C++ shim (csrc/memory.cpp).
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
+
+use crate::ffi::call;
 
 use tchmem_wire::memory::Counters;
 
@@ -60,18 +62,6 @@ pub struct DeviceStats {
     pub alloc_retries: i64,
     /// Out-of-memory errors.
     pub ooms: i64,
-}
-
-/// Calls a shim function with an error buffer; the shim never lets a C++ exception through.
-fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
-    let mut err = [0 as c_char; 512];
-    if f(err.as_mut_ptr(), err.len()) == 0 {
-        Ok(())
-    } else {
-        // SAFETY: the shim NUL-terminates what it writes into the buffer.
-        let text = unsafe { CStr::from_ptr(err.as_ptr()) };
-        Err(text.to_string_lossy().into_owned())
-    }
 }
 
 fn unavailable() -> Result<(), String> {

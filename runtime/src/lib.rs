@@ -3,8 +3,13 @@
 //! Every cell of a tchmem kernel already depends on this crate and on `tch`; nothing needs a
 //! `:dep` line. This is the only part of tchmem that links libtorch.
 
+pub mod accumulate;
+pub mod amp;
+pub mod checkpoint;
+pub mod compare;
 pub mod cuda_stats;
 pub mod display;
+mod ffi;
 mod nvml;
 pub mod record;
 mod shared;
@@ -14,6 +19,7 @@ mod watch;
 pub mod input {
     pub use evcxr_input::{get_password, get_string};
 }
+pub mod optim;
 mod panic_hook;
 pub mod phase;
 
@@ -31,4 +37,6 @@ pub fn version() -> &'static str {
 pub fn __kernel_session_start() {
     panic_hook::install();
     record::register_hooks();
+    // Before any cell allocates: the baseline NVML usage is compared with.
+    record::measure_context();
 }

@@ -58,6 +58,37 @@ pub fn after_cell() -> MemoryRecord {
     }
 }
 
+fn context_at_start() -> Option<u64> {
+    *crate::shared::shared()
+        .context_at_start
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Measures the CUDA context on its own: initialises CUDA with a one-element tensor, frees it
+/// and the allocator's cache, and reads this process's NVML usage, which is then the context
+/// (plus the allocator's reserved bytes, normally none). Records later compare NVML usage with
+/// it. Does nothing without CUDA or NVML. The kernel calls it when a session starts.
+pub fn measure_context() -> Option<u64> {
+    if !tch::Cuda::is_available() {
+        return None;
+    }
+    drop(tch::Tensor::zeros(
+        [1],
+        (tch::Kind::Float, Device::Cuda(DEVICE as usize)),
+    ));
+    tch::Cuda::synchronize(DEVICE);
+    cuda_stats::empty_cache().ok()?;
+    let reserved = cuda_stats::device_stats(DEVICE).ok()?.current.reserved;
+    let process = nvml::process_bytes(DEVICE as u32).ok()?;
+    let context = process.saturating_sub(reserved);
+    *crate::shared::shared()
+        .context_at_start
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = Some(context);
+    Some(context)
+}
+
 /// The memory as it is now, without a cell around it.
 pub fn current() -> MemoryRecord {
     match cuda_stats::device_stats(DEVICE) {
@@ -88,6 +119,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         device_total,
         device_free,
         nvml_process,
+        context_at_start: context_at_start(),
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
     let mut categories = known_categories(known);
@@ -126,7 +158,14 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
             name: CategoryName::CudaContext,
             bytes: process.saturating_sub(stats.current.reserved),
             exact: false,
-            how: "NVML process usage − allocator reserved".into(),
+            how: match context_at_start() {
+                Some(context) => format!(
+                    "NVML process usage − allocator reserved; of this, {} MiB is the context \
+                     measured at start, the rest kernels loaded since and library workspaces",
+                    context >> 20
+                ),
+                None => "NVML process usage − allocator reserved".into(),
+            },
         });
     }
     MemoryRecord {
@@ -135,6 +174,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         categories,
         at_backward,
         notes,
+        recording_seconds: None,
     }
 }
 
@@ -149,6 +189,7 @@ fn cpu_record(why: String) -> MemoryRecord {
             "No allocator counters: {why}. On CPU the categories come from the watched tensors' \
              sizes; peaks, fragmentation and the CUDA context are CUDA-only."
         )],
+        recording_seconds: None,
     }
 }
 

@@ -23,6 +23,8 @@ pub struct Shared {
     pub before: Mutex<Option<Before>>,
     /// What the training-step markers measured.
     pub phases: Mutex<Phases>,
+    /// NVML process usage right after CUDA was initialised (see record::measure_context).
+    pub context_at_start: Mutex<Option<u64>>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -56,6 +58,7 @@ pub fn shared() -> &'static Shared {
                 watched: Mutex::new(Watched::default()),
                 before: Mutex::new(None),
                 phases: Mutex::new(Phases::default()),
+                context_at_start: Mutex::new(None),
             }))
         };
         let Some(slot) = child_slot() else {

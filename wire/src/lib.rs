@@ -5,6 +5,7 @@
 //! separately (cells are compiled at run time), so the formats live here, in one small crate
 //! they all depend on.
 
+pub mod compare;
 pub mod memory;
 mod slot;
 
@@ -56,6 +57,9 @@ pub struct CellReport {
     /// Why there is no memory record, when there is none.
     #[serde(default)]
     pub memory_missing: Option<String>,
+    /// Time the child spent in the runtime's recording hooks for this cell (before + after).
+    #[serde(default)]
+    pub recording_seconds: f64,
 }
 
 /// Rich output sent from a cell while it runs (Jupyter's `display_data` or

@@ -39,6 +39,29 @@ pub struct CudaMemory {
     pub device_free: u64,
     /// This process's device memory as NVML sees it (context + reserved + other libraries).
     pub nvml_process: Option<u64>,
+    /// NVML process usage measured when the session started, right after CUDA was initialised
+    /// and before anything was allocated: the CUDA context on its own.
+    #[serde(default)]
+    pub context_at_start: Option<u64>,
+}
+
+impl CudaMemory {
+    /// NVML process usage not explained by the context measured at start plus the allocator's
+    /// reserved bytes (kernels loaded lazily since, library workspaces, other allocators), as
+    /// (bytes, fraction of NVML usage). Negative bytes mean NVML saw less than expected.
+    pub fn unexplained(&self) -> Option<(i64, f64)> {
+        let nvml = self.nvml_process?;
+        let context = self.context_at_start?;
+        let gap = nvml as i64 - (context + self.after.reserved) as i64;
+        Some((
+            gap,
+            if nvml == 0 {
+                0.0
+            } else {
+                gap as f64 / nvml as f64
+            },
+        ))
+    }
 }
 
 /// The places training memory goes.
@@ -119,6 +142,9 @@ pub struct MemoryRecord {
     pub at_backward: Option<Vec<Category>>,
     /// What could not be measured, and why.
     pub notes: Vec<String>,
+    /// Time the kernel's child spent recording this cell (both hooks), in seconds.
+    #[serde(default)]
+    pub recording_seconds: Option<f64>,
 }
 
 impl MemoryRecord {

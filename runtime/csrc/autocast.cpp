@@ -1,0 +1,54 @@
+// Mixed-precision autocast with a chosen dtype: tch only toggles CUDA autocast (at its default,
+// f16); bf16 and CPU autocast need these calls.
+#include <ATen/autocast_mode.h>
+
+#include <cstring>
+#include <exception>
+
+namespace {
+
+void write_error(const char* what, char* err, size_t err_len) {
+  if (err == nullptr || err_len == 0) return;
+  std::strncpy(err, what, err_len - 1);
+  err[err_len - 1] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+// Autocast of one device type (0 = CPU, 1 = CUDA): reads the current setting.
+int tchmem_autocast_get(int cuda, int* enabled, int* dtype, char* err, size_t err_len) {
+  try {
+    auto type = cuda ? at::kCUDA : at::kCPU;
+    *enabled = at::autocast::is_autocast_enabled(type);
+    *dtype = static_cast<int>(at::autocast::get_autocast_dtype(type));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, err_len);
+  }
+  return -1;
+}
+
+// Sets autocast of one device type and its dtype (a c10::ScalarType, as tch's Kind numbers it).
+// Entering bumps the nesting counter; leaving the outermost level clears the cast cache, as
+// torch.autocast does.
+int tchmem_autocast_set(int cuda, int enabled, int dtype, int entering, char* err,
+                        size_t err_len) {
+  try {
+    auto type = cuda ? at::kCUDA : at::kCPU;
+    at::autocast::set_autocast_dtype(type, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(type, enabled != 0);
+    if (entering) {
+      at::autocast::increment_nesting();
+    } else if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, err_len);
+  }
+  return -1;
+}
+
+}  // extern "C"

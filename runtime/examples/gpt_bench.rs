@@ -1,0 +1,331 @@
+//! GPU benchmark of the `%%optimize` techniques on a GPT (pre-LayerNorm, causal SDPA attention,
+//! tied embeddings; ~216M parameters at the default size), one technique at a time and all
+//! combined. Prints one JSON line per configuration: peak allocated/reserved bytes and step
+//! times. `scripts/gpu/bench_pytorch.py` builds the same model in PyTorch for the comparison.
+//!
+//!     gpt_bench [--steps N] [--batch B] [--seq T] [--layers L] [CONFIG...]
+//!
+//! CONFIGs: plain checkpoint bf16 f16 accumulate4 sgd lion adamw8bit adafactor combined.
+
+use std::time::Instant;
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+use tchmem::optim::Step;
+
+const VOCAB: i64 = 50304;
+const WIDTH: i64 = 1024;
+const HEADS: i64 = 16;
+
+#[derive(Debug)]
+struct Block {
+    ln1: nn::LayerNorm,
+    attn: nn::Linear,
+    attn_proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc: nn::Linear,
+    fc_proj: nn::Linear,
+}
+
+impl Block {
+    fn new(p: nn::Path) -> Block {
+        let ln = || nn::LayerNormConfig::default();
+        Block {
+            ln1: nn::layer_norm(&p / "ln1", vec![WIDTH], ln()),
+            attn: nn::linear(&p / "attn", WIDTH, 3 * WIDTH, Default::default()),
+            attn_proj: nn::linear(&p / "attn_proj", WIDTH, WIDTH, Default::default()),
+            ln2: nn::layer_norm(&p / "ln2", vec![WIDTH], ln()),
+            fc: nn::linear(&p / "fc", WIDTH, 4 * WIDTH, Default::default()),
+            fc_proj: nn::linear(&p / "fc_proj", 4 * WIDTH, WIDTH, Default::default()),
+        }
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, c) = x.size3().unwrap();
+        let qkv = self.attn.forward(&self.ln1.forward(x));
+        let heads = |part: &Tensor| part.view([b, t, HEADS, c / HEADS]).transpose(1, 2);
+        let parts = qkv.split(c, 2);
+        let y = Tensor::scaled_dot_product_attention(
+            &heads(&parts[0]),
+            &heads(&parts[1]),
+            &heads(&parts[2]),
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        let y = y.transpose(1, 2).contiguous().view([b, t, c]);
+        let x = x + self.attn_proj.forward(&y);
+        let h = self.fc.forward(&self.ln2.forward(&x)).gelu("none");
+        &x + self.fc_proj.forward(&h)
+    }
+}
+
+struct Gpt {
+    wte: nn::Embedding,
+    wpe: nn::Embedding,
+    blocks: Box<dyn Module>,
+    ln_f: nn::LayerNorm,
+}
+
+impl Gpt {
+    fn new(vs: &nn::VarStore, layers: i64, seq: i64, checkpoint: bool) -> Gpt {
+        let root = vs.root();
+        let blocks: Box<dyn Module> = if checkpoint {
+            // Every block its own segment, as torch.utils.checkpoint.checkpoint_sequential with
+            // one segment per block: all but the last recomputed in backward.
+            let mut s = tchmem::checkpoint::seq().segments(layers as usize);
+            for i in 0..layers {
+                s = s.add(Block::new(&root / "h" / i));
+            }
+            Box::new(s)
+        } else {
+            let mut s = nn::seq();
+            for i in 0..layers {
+                s = s.add(Block::new(&root / "h" / i));
+            }
+            Box::new(s)
+        };
+        Gpt {
+            wte: nn::embedding(&root / "wte", VOCAB, WIDTH, embedding_init()),
+            wpe: nn::embedding(&root / "wpe", seq, WIDTH, embedding_init()),
+            blocks,
+            ln_f: nn::layer_norm(&root / "ln_f", vec![WIDTH], Default::default()),
+        }
+    }
+
+    fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
+        let (_, t) = idx.size2().unwrap();
+        let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
+        let x = self.wte.forward(idx) + self.wpe.forward(&pos);
+        let x = self.ln_f.forward(&self.blocks.forward(&x));
+        // Tied output head.
+        let logits = x.matmul(&self.wte.ws.tr());
+        logits.view([-1, VOCAB]).cross_entropy_loss(
+            &targets.view([-1]),
+            None::<Tensor>,
+            tch::Reduction::Mean,
+            -100,
+            0.0,
+        )
+    }
+}
+
+/// GPT-2's N(0, 0.02) for embeddings (the tied head would start with huge logits otherwise).
+fn embedding_init() -> nn::EmbeddingConfig {
+    nn::EmbeddingConfig {
+        ws_init: nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        },
+        ..Default::default()
+    }
+}
+
+enum Opt {
+    Tch(nn::Optimizer),
+    Ours(tchmem::optim::Optimizer),
+}
+
+impl Step for Opt {
+    fn step(&mut self) {
+        match self {
+            Opt::Tch(o) => o.step(),
+            Opt::Ours(o) => o.step(),
+        }
+    }
+    fn zero_grad(&mut self) {
+        match self {
+            Opt::Tch(o) => o.zero_grad(),
+            Opt::Ours(o) => o.zero_grad(),
+        }
+    }
+}
+
+fn sync(device: Device) {
+    if device.is_cuda() {
+        tch::Cuda::synchronize(0);
+    }
+}
+
+struct Config {
+    checkpoint: bool,
+    amp: Option<Kind>,
+    micro_batches: i64,
+    optimizer: &'static str,
+}
+
+fn config(name: &str) -> Config {
+    let plain = Config {
+        checkpoint: false,
+        amp: None,
+        micro_batches: 1,
+        optimizer: "adamw",
+    };
+    match name {
+        "plain" => plain,
+        "checkpoint" => Config {
+            checkpoint: true,
+            ..plain
+        },
+        "bf16" => Config {
+            amp: Some(Kind::BFloat16),
+            ..plain
+        },
+        "f16" => Config {
+            amp: Some(Kind::Half),
+            ..plain
+        },
+        "accumulate4" => Config {
+            micro_batches: 4,
+            ..plain
+        },
+        "sgd" | "lion" | "adamw8bit" | "adafactor" => Config {
+            optimizer: match name {
+                "sgd" => "sgd",
+                "lion" => "lion",
+                "adamw8bit" => "adamw8bit",
+                _ => "adafactor",
+            },
+            ..plain
+        },
+        "combined" => Config {
+            checkpoint: true,
+            amp: Some(Kind::BFloat16),
+            micro_batches: 4,
+            optimizer: "adafactor",
+        },
+        other => panic!("unknown configuration {other}"),
+    }
+}
+
+fn build_optimizer(name: &str, vs: &nn::VarStore) -> Opt {
+    let lr = 3e-4;
+    match name {
+        "adamw" => Opt::Tch(nn::AdamW::default().build(vs, lr).unwrap()),
+        "sgd" => Opt::Ours(tchmem::optim::Sgd::default().build(vs, lr).unwrap()),
+        "lion" => Opt::Ours(tchmem::optim::Lion::default().build(vs, lr / 3.0).unwrap()),
+        "adamw8bit" => Opt::Ours(tchmem::optim::AdamW8bit::default().build(vs, lr).unwrap()),
+        "adafactor" => Opt::Ours(tchmem::optim::Adafactor::default().build(vs, lr).unwrap()),
+        other => panic!("unknown optimizer {other}"),
+    }
+}
+
+fn run(
+    name: &str,
+    steps: usize,
+    batch: i64,
+    seq: i64,
+    layers: i64,
+    device: Device,
+) -> serde_json::Value {
+    let cfg = config(name);
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(device);
+    let model = Gpt::new(&vs, layers, seq, cfg.checkpoint);
+    let parameters: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    let mut opt = build_optimizer(cfg.optimizer, &vs);
+    let mut scaler = (cfg.amp == Some(Kind::Half)).then(|| tchmem::amp::GradScaler::new(&vs));
+    let idx = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
+    let targets = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
+    sync(device);
+    let _ = tchmem::cuda_stats::reset_peak_stats(0);
+
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    for _ in 0..steps {
+        let start = Instant::now();
+        opt.zero_grad();
+        let mut total = 0.0;
+        for (weight, [x, y]) in tchmem::accumulate::split(cfg.micro_batches, [&idx, &targets]) {
+            let loss = match cfg.amp {
+                Some(kind) => tchmem::amp::autocast(kind, || model.loss(&x, &y)),
+                None => model.loss(&x, &y),
+            };
+            let loss = loss * weight;
+            match &scaler {
+                Some(s) => s.scale(&loss).backward(),
+                None => loss.backward(),
+            }
+            total += loss.double_value(&[]);
+        }
+        match scaler.as_mut() {
+            Some(s) => {
+                s.step(&mut opt);
+            }
+            None => opt.step(),
+        }
+        sync(device);
+        times.push(start.elapsed().as_secs_f64());
+        losses.push(total);
+    }
+    let stats = tchmem::cuda_stats::device_stats(0).ok();
+    let state_bytes = match &opt {
+        Opt::Ours(o) => Some(o.state_bytes()),
+        Opt::Tch(_) => None,
+    };
+    let mut sorted = times[1..].to_vec();
+    sorted.sort_by(f64::total_cmp);
+    serde_json::json!({
+        "framework": "tch",
+        "config": name,
+        "parameters": parameters,
+        "batch": batch, "seq": seq, "layers": layers, "steps": steps,
+        "peak_allocated": stats.map(|s| s.peak.allocated),
+        "peak_reserved": stats.map(|s| s.peak.reserved),
+        "step_seconds": times,
+        "median_step_seconds": sorted.get(sorted.len() / 2),
+        "losses": losses,
+        "optimizer_state_bytes": state_bytes,
+    })
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let (mut steps, mut batch, mut seq, mut layers) = (6usize, 16i64, 1024i64, 13i64);
+    let mut configs = Vec::new();
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .expect("a value after the flag")
+                .parse::<i64>()
+                .unwrap()
+        };
+        match arg.as_str() {
+            "--steps" => steps = value() as usize,
+            "--batch" => batch = value(),
+            "--seq" => seq = value(),
+            "--layers" => layers = value(),
+            name => configs.push(name.to_string()),
+        }
+    }
+    if configs.is_empty() {
+        configs = [
+            "plain",
+            "checkpoint",
+            "bf16",
+            "f16",
+            "accumulate4",
+            "sgd",
+            "lion",
+            "adamw8bit",
+            "adafactor",
+            "combined",
+        ]
+        .map(String::from)
+        .to_vec();
+    }
+    let device = Device::cuda_if_available();
+    for name in configs {
+        let result = run(&name, steps, batch, seq, layers, device);
+        println!("{result}");
+        let _ = tchmem::cuda_stats::empty_cache();
+    }
+}

@@ -1,0 +1,285 @@
+//! Activation checkpointing: a segment's activations are not kept for backward; backward runs the
+//! segment again (same dropout masks, same autocast) and backpropagates through it. Trades one
+//! extra forward pass for the memory of the segment's activations.
+//!
+//! [`seq`] and [`seq_t`] build models exactly like tch's `nn::seq()` / `nn::seq_t()`, split into
+//! segments (√N by default) of which all but the last are checkpointed:
+//!
+//! ```no_run
+//! # use tch::nn::{self, Module};
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let model = tchmem::checkpoint::seq()
+//!     .add(nn::linear(vs.root() / "l1", 784, 4096, Default::default()))
+//!     .add_fn(|x| x.relu())
+//!     .add(nn::linear(vs.root() / "l2", 4096, 10, Default::default()));
+//! ```
+
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+use tch::nn::{Module, ModuleT};
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::ffi;
+
+type SegmentFn = Box<dyn Fn(&Tensor) -> Tensor + Send>;
+
+extern "C" {
+    fn tchmem_checkpoint(
+        data: *mut c_void,
+        call: extern "C" fn(*mut c_void, *mut C_tensor, *mut c_char, usize) -> *mut C_tensor,
+        drop: extern "C" fn(*mut c_void),
+        input: *const C_tensor,
+        out: *mut *mut C_tensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Runs the segment for the shim, which may call from an autograd thread. A panic is caught
+/// (it must not unwind into C++) and reported as an error, which libtorch raises.
+extern "C" fn call_segment(
+    data: *mut c_void,
+    input: *mut C_tensor,
+    err: *mut c_char,
+    err_len: usize,
+) -> *mut C_tensor {
+    // SAFETY: `data` is the boxed closure made by `checkpoint`, alive until `drop_segment`;
+    // `input` is a new tensor the shim hands over.
+    let segment = unsafe { &*(data as *const SegmentFn) };
+    let input = unsafe { Tensor::from_ptr(input) };
+    match catch_unwind(AssertUnwindSafe(|| segment(&input))) {
+        Ok(mut output) => {
+            let raw = output.as_mut_ptr();
+            // The shim takes ownership of the C++ tensor.
+            std::mem::forget(output);
+            raw
+        }
+        Err(panic) => {
+            ffi::write_error(&ffi::panic_text(&*panic), err, err_len);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+extern "C" fn drop_segment(data: *mut c_void) {
+    // SAFETY: made by Box::into_raw in `checkpoint`, dropped once by the shim.
+    drop(unsafe { Box::from_raw(data as *mut SegmentFn) });
+}
+
+/// Runs `segment` on `input` without keeping its activations for backward; backward runs it
+/// again. The closure must be a pure function of its input and the parameters it captures
+/// (random ops are replayed with the same RNG state). Without grad mode it simply runs.
+///
+/// # Panics
+/// If the segment panics or libtorch reports an error (the message is passed on).
+pub fn checkpoint<F>(segment: F, input: &Tensor) -> Tensor
+where
+    F: Fn(&Tensor) -> Tensor + Send + 'static,
+{
+    let boxed: Box<SegmentFn> = Box::new(Box::new(segment));
+    let data = Box::into_raw(boxed) as *mut c_void;
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let status = ffi::call(|err, len| unsafe {
+        tchmem_checkpoint(
+            data,
+            call_segment,
+            drop_segment,
+            input.as_ptr(),
+            &mut out,
+            err,
+            len,
+        )
+    });
+    match status {
+        // SAFETY: the shim returned a new tensor that we now own.
+        Ok(()) => unsafe { Tensor::from_ptr(out) },
+        Err(message) => panic!("{message}"),
+    }
+}
+
+/// Segment boundaries for `layers` layers in `segments` segments (at least one layer each).
+fn segment_ranges(layers: usize, segments: Option<usize>) -> Vec<std::ops::Range<usize>> {
+    if layers == 0 {
+        return Vec::new();
+    }
+    let default = (layers as f64).sqrt().ceil() as usize;
+    let segments = segments.unwrap_or(default).clamp(1, layers);
+    let size = layers.div_ceil(segments);
+    (0..layers)
+        .step_by(size)
+        .map(|start| start..(start + size).min(layers))
+        .collect()
+}
+
+/// A layer shared between the model and the segments that backward may still run.
+type Shared<M> = Arc<Mutex<Box<M>>>;
+
+/// Like tch's `nn::Sequential`, with all segments but the last checkpointed.
+#[derive(Debug, Default)]
+pub struct Sequential {
+    layers: Vec<Shared<dyn Module>>,
+    segments: Option<usize>,
+}
+
+/// An empty checkpointed sequential model (the counterpart of `nn::seq()`).
+pub fn seq() -> Sequential {
+    Sequential::default()
+}
+
+impl Sequential {
+    /// Appends a layer.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: Module + 'static>(mut self, layer: M) -> Self {
+        self.layers.push(Arc::new(Mutex::new(Box::new(layer))));
+        self
+    }
+
+    /// Appends a closure.
+    pub fn add_fn<F>(self, f: F) -> Self
+    where
+        F: 'static + Fn(&Tensor) -> Tensor + Send,
+    {
+        self.add(tch::nn::func(f))
+    }
+
+    /// Splits the layers into `segments` segments (default: √N rounded up).
+    pub fn segments(mut self, segments: usize) -> Self {
+        self.segments = Some(segments);
+        self
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether there are no layers.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+fn run_layers(layers: &[Shared<dyn Module>], input: &Tensor) -> Tensor {
+    let mut x = input.shallow_clone();
+    for layer in layers {
+        x = layer.lock().unwrap_or_else(|e| e.into_inner()).forward(&x);
+    }
+    x
+}
+
+impl Module for Sequential {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let ranges = segment_ranges(self.layers.len(), self.segments);
+        let last = ranges.len().saturating_sub(1);
+        let mut x = xs.shallow_clone();
+        for (i, range) in ranges.into_iter().enumerate() {
+            let layers = self.layers[range].to_vec();
+            // The last segment's activations are needed at once by backward: keep them.
+            x = if i == last {
+                run_layers(&layers, &x)
+            } else {
+                checkpoint(move |x| run_layers(&layers, x), &x)
+            };
+        }
+        x
+    }
+}
+
+/// Like tch's `nn::SequentialT` (layers with a train flag), with all segments but the last
+/// checkpointed.
+#[derive(Debug, Default)]
+pub struct SequentialT {
+    layers: Vec<Shared<dyn ModuleT>>,
+    segments: Option<usize>,
+}
+
+/// An empty checkpointed sequential model with a train flag (the counterpart of `nn::seq_t()`).
+pub fn seq_t() -> SequentialT {
+    SequentialT::default()
+}
+
+impl SequentialT {
+    /// Appends a layer.
+    #[allow(clippy::should_implement_trait)]
+    pub fn add<M: ModuleT + 'static>(mut self, layer: M) -> Self {
+        self.layers.push(Arc::new(Mutex::new(Box::new(layer))));
+        self
+    }
+
+    /// Appends a closure.
+    pub fn add_fn<F>(self, f: F) -> Self
+    where
+        F: 'static + Fn(&Tensor) -> Tensor + Send,
+    {
+        self.add(tch::nn::func(f))
+    }
+
+    /// Appends a closure that takes the train flag.
+    pub fn add_fn_t<F>(self, f: F) -> Self
+    where
+        F: 'static + Fn(&Tensor, bool) -> Tensor + Send,
+    {
+        self.add(tch::nn::func_t(f))
+    }
+
+    /// Splits the layers into `segments` segments (default: √N rounded up).
+    pub fn segments(mut self, segments: usize) -> Self {
+        self.segments = Some(segments);
+        self
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether there are no layers.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+fn run_layers_t(layers: &[Shared<dyn ModuleT>], input: &Tensor, train: bool) -> Tensor {
+    let mut x = input.shallow_clone();
+    for layer in layers {
+        x = layer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .forward_t(&x, train);
+    }
+    x
+}
+
+impl ModuleT for SequentialT {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let ranges = segment_ranges(self.layers.len(), self.segments);
+        let last = ranges.len().saturating_sub(1);
+        let mut x = xs.shallow_clone();
+        for (i, range) in ranges.into_iter().enumerate() {
+            let layers = self.layers[range].to_vec();
+            x = if i == last {
+                run_layers_t(&layers, &x, train)
+            } else {
+                checkpoint(move |x| run_layers_t(&layers, x, train), &x)
+            };
+        }
+        x
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment_ranges;
+
+    #[test]
+    fn square_root_segments_by_default() {
+        assert_eq!(segment_ranges(9, None), vec![0..3, 3..6, 6..9]);
+        assert_eq!(segment_ranges(10, None), vec![0..3, 3..6, 6..9, 9..10]);
+        assert_eq!(segment_ranges(2, Some(5)), vec![0..1, 1..2]);
+        assert_eq!(segment_ranges(5, Some(1)), vec![0..5]);
+        assert!(segment_ranges(0, None).is_empty());
+    }
+}

@@ -1,0 +1,39 @@
+//! Calling the C++ shim (csrc/): every shim function takes an error buffer and returns 0 or -1,
+//! never letting a C++ exception through.
+
+use std::ffi::{c_char, c_int, CStr};
+
+/// Calls a shim function with an error buffer and turns its status into a `Result`.
+pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
+    let mut err = [0 as c_char; 4096];
+    if f(err.as_mut_ptr(), err.len()) == 0 {
+        Ok(())
+    } else {
+        // SAFETY: the shim NUL-terminates what it writes into the buffer.
+        let text = unsafe { CStr::from_ptr(err.as_ptr()) };
+        Err(text.to_string_lossy().into_owned())
+    }
+}
+
+/// Writes `message` NUL-terminated into a shim's error buffer (for Rust callbacks).
+pub(crate) fn write_error(message: &str, err: *mut c_char, err_len: usize) {
+    if err.is_null() || err_len == 0 {
+        return;
+    }
+    let bytes = message.as_bytes();
+    let n = bytes.len().min(err_len - 1);
+    // SAFETY: the caller passes a buffer of err_len bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), err.cast::<u8>(), n);
+        *err.add(n) = 0;
+    }
+}
+
+/// The text of a caught panic.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -1,0 +1,173 @@
+//! Checkpointed models give the same gradients as plain ones (CPU, real libtorch).
+
+use tch::nn::{self, Module, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// libtorch's CPU generator is global and tests run in parallel: a test that draws random
+/// numbers between another's seeding and its forward pass would change its dropout masks, so
+/// the tests take turns.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng_turn() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn mlp_t(root: nn::Path, checkpointed: bool, segments: Option<usize>) -> Box<dyn ModuleT> {
+    let dims = [16, 64, 64, 64, 64, 8];
+    macro_rules! build {
+        ($seq:expr) => {{
+            let mut model = $seq;
+            for (i, pair) in dims.windows(2).enumerate() {
+                model = model
+                    .add(nn::linear(&root / i, pair[0], pair[1], Default::default()))
+                    .add_fn(|x| x.gelu("none"))
+                    .add_fn_t(|x, train| x.dropout(0.3, train));
+            }
+            model
+        }};
+    }
+    if checkpointed {
+        let mut model = build!(tchmem::checkpoint::seq_t());
+        if let Some(n) = segments {
+            model = model.segments(n);
+        }
+        Box::new(model)
+    } else {
+        Box::new(build!(nn::seq_t()))
+    }
+}
+
+/// Gradients of every variable after one backward pass, by name.
+fn gradients(
+    vs: &nn::VarStore,
+    model: &dyn ModuleT,
+    x: &Tensor,
+    seed: i64,
+) -> Vec<(String, Tensor)> {
+    tch::manual_seed(seed);
+    let loss = model.forward_t(x, true).square().mean(Kind::Float);
+    loss.backward();
+    let mut grads: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(name, v)| (name, v.grad().copy()))
+        .collect();
+    grads.sort_by(|a, b| a.0.cmp(&b.0));
+    grads
+}
+
+fn max_abs_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            assert!(ta.defined() && tb.defined(), "{na} has no gradient");
+            (ta - tb).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn checkpointed_gradients_equal_plain_ones_with_dropout() {
+    let _turn = rng_turn();
+    let plain_vs = nn::VarStore::new(Device::Cpu);
+    let plain = mlp_t(plain_vs.root(), false, None);
+    let x = Tensor::randn([32, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let expected = gradients(&plain_vs, plain.as_ref(), &x, 7);
+    let input_grad = x.grad().copy();
+
+    for segments in [None, Some(1), Some(2), Some(18)] {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp_t(vs.root(), true, segments);
+        vs.copy(&plain_vs).unwrap();
+        let x2 = x.detach().set_requires_grad(true);
+        let got = gradients(&vs, model.as_ref(), &x2, 7);
+        let diff = max_abs_diff(&expected, &got);
+        println!("segments {segments:?}: max |grad diff| = {diff:e}");
+        assert!(
+            diff <= 1e-6,
+            "segments {segments:?}: gradients differ by {diff}"
+        );
+        let input_diff = (&input_grad - x2.grad()).abs().max().double_value(&[]);
+        assert!(input_diff <= 1e-6, "input gradient differs by {input_diff}");
+    }
+}
+
+#[test]
+fn a_different_seed_gives_different_dropout_so_the_check_is_not_vacuous() {
+    let _turn = rng_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = mlp_t(vs.root(), true, None);
+    let x = Tensor::randn([32, 16], (Kind::Float, Device::Cpu));
+    let a = gradients(&vs, model.as_ref(), &x, 1);
+    for (_, v) in vs.variables() {
+        let _ = v.grad().zero_();
+    }
+    let b = gradients(&vs, model.as_ref(), &x, 2);
+    assert!(max_abs_diff(&a, &b) > 1e-4);
+}
+
+#[test]
+fn seq_matches_nn_seq_and_runs_plainly_without_grad() {
+    let _turn = rng_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let plain = nn::seq()
+        .add(nn::linear(vs.root() / "a", 8, 8, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs.root() / "b", 8, 8, Default::default()))
+        .add_fn(|x| x.tanh());
+    let mut vs2 = nn::VarStore::new(Device::Cpu);
+    let model = tchmem::checkpoint::seq()
+        .add(nn::linear(vs2.root() / "a", 8, 8, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs2.root() / "b", 8, 8, Default::default()))
+        .add_fn(|x| x.tanh())
+        .segments(2);
+    vs2.copy(&vs).unwrap();
+    assert_eq!(model.len(), 4);
+    let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+    let y = model.forward(&x);
+    assert!(
+        y.requires_grad(),
+        "the checkpointed output must be part of the graph"
+    );
+    assert_eq!((plain.forward(&x) - &y).abs().max().double_value(&[]), 0.0);
+    let eval = tch::no_grad(|| model.forward(&x));
+    assert!(!eval.requires_grad());
+}
+
+#[test]
+fn a_panicking_segment_is_reported_not_aborted() {
+    let _turn = rng_turn();
+    let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let result = std::panic::catch_unwind(|| {
+        tchmem::checkpoint::checkpoint(|_| panic!("segment broke"), &x)
+    });
+    let message = result.expect_err("the segment panicked");
+    let text = message
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(text.contains("segment broke"), "{text}");
+}
+
+#[test]
+fn a_segment_failing_in_backward_surfaces_as_an_error() {
+    let _turn = rng_turn();
+    let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = calls.clone();
+    let y = tchmem::checkpoint::checkpoint(
+        move |x| {
+            if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+                panic!("recompute broke");
+            }
+            x * 2
+        },
+        &x,
+    );
+    let err = y.sum(Kind::Float).f_backward();
+    let message = format!("{:?}", err);
+    assert!(message.contains("recompute broke"), "{message}");
+}
