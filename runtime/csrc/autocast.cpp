@@ -52,3 +52,28 @@ int tchmem_autocast_set(int cuda, int enabled, int dtype, int entering, char* er
 }
 
 }  // extern "C"
+
+#include <ATen/Functions.h>
+
+#include <vector>
+
+extern "C" {
+
+// Unscales `n` gradients in place with one multi-tensor kernel per device and dtype group
+// (torch's `_amp_foreach_non_finite_check_and_unscale_`, which tch does not expose) and sets
+// `found_inf` to 1 if any holds inf/nan.
+int tchmem_amp_unscale(at::Tensor* const* grads, size_t n, at::Tensor* found_inf,
+                       const at::Tensor* inv_scale, char* err, size_t err_len) {
+  try {
+    std::vector<at::Tensor> list;
+    list.reserve(n);
+    for (size_t i = 0; i < n; ++i) list.push_back(*grads[i]);
+    at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, err_len);
+  }
+  return -1;
+}
+
+}  // extern "C"

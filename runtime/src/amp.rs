@@ -16,6 +16,7 @@
 use std::ffi::c_int;
 
 use tch::{nn, Device, Kind, Tensor};
+use torch_sys::C_tensor;
 
 use crate::ffi;
 use crate::optim::Step;
@@ -33,6 +34,14 @@ extern "C" {
         enabled: c_int,
         dtype: c_int,
         entering: c_int,
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_amp_unscale(
+        grads: *const *mut C_tensor,
+        n: usize,
+        found_inf: *mut C_tensor,
+        inv_scale: *const C_tensor,
         err: *mut std::ffi::c_char,
         err_len: usize,
     ) -> c_int;
@@ -143,11 +152,26 @@ impl GradScaler {
         // A VarStore keeps every variable on its one device, where the scale lives too.
         let mut found_inf = Tensor::zeros([1], (Kind::Float, self.scale.device()));
         let inv_scale = self.scale.reciprocal();
-        for param in &self.params {
-            let mut grad = param.grad();
-            if grad.defined() {
-                grad.internal_amp_non_finite_check_and_unscale(&mut found_inf, &inv_scale);
-            }
+        let mut grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|p| p.grad())
+            .filter(|g| g.defined())
+            .collect();
+        if !grads.is_empty() {
+            // One multi-tensor kernel instead of one per gradient (as PyTorch's GradScaler).
+            let pointers: Vec<*mut C_tensor> = grads.iter_mut().map(|g| g.as_mut_ptr()).collect();
+            ffi::call(|err, len| unsafe {
+                tchmem_amp_unscale(
+                    pointers.as_ptr(),
+                    pointers.len(),
+                    found_inf.as_mut_ptr(),
+                    inv_scale.as_ptr(),
+                    err,
+                    len,
+                )
+            })
+            .unwrap_or_else(|e| panic!("unscaling the gradients: {e}"));
         }
         self.found_inf = Some(found_inf);
     }

@@ -65,18 +65,20 @@ fn context_at_start() -> Option<u64> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Measures the CUDA context on its own: initialises CUDA with a one-element tensor, frees it
-/// and the allocator's cache, and reads this process's NVML usage, which is then the context
-/// (plus the allocator's reserved bytes, normally none). Records later compare NVML usage with
+/// Measures the CUDA context on its own: initialises CUDA and cuBLAS with a small matmul and its
+/// backward, frees them and the allocator's cache, and reads this process's NVML usage, which
+/// minus the allocator's reserved bytes (normally none) is then the context. Records later compare NVML usage with
 /// it. Does nothing without CUDA or NVML. The kernel calls it when a session starts.
 pub fn measure_context() -> Option<u64> {
     if !tch::Cuda::is_available() {
         return None;
     }
-    drop(tch::Tensor::zeros(
-        [1],
-        (tch::Kind::Float, Device::Cuda(DEVICE as usize)),
-    ));
+    // CUDA, and cuBLAS with its handle (every model's first matmul loads it), on their own.
+    {
+        let a = tch::Tensor::ones([64, 64], (tch::Kind::Float, Device::Cuda(DEVICE as usize)))
+            .set_requires_grad(true);
+        a.matmul(&a).sum(tch::Kind::Float).backward();
+    }
     tch::Cuda::synchronize(DEVICE);
     cuda_stats::empty_cache().ok()?;
     let reserved = cuda_stats::device_stats(DEVICE).ok()?.current.reserved;
