@@ -14,6 +14,7 @@ mod libtorch;
 mod magics;
 mod notebook;
 mod report;
+mod rewrite;
 
 use clap::Parser;
 

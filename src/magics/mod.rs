@@ -2,7 +2,10 @@
 //!
 //! Each magic's arguments are parsed by clap, so `--help` and error messages are uniform. Rust
 //! code never starts with `%`, so a cell's leading `%` lines are always magics; the rest of the
-//! cell, if any, runs as usual.
+//! cell, if any, runs as usual. A cell magic (`%%optimize`) is the first line of its cell and
+//! takes the rest of the cell as its body: see [`cell_magic`].
+
+pub mod optimize;
 
 use clap::{Parser, ValueEnum};
 
@@ -70,7 +73,75 @@ struct MemHistoryArgs {}
 )]
 struct MemSummaryArgs {}
 
-const MAGICS: &str = "%memprofile, %memhistory, %memsummary";
+const MAGICS: &str = "%memprofile, %memhistory, %memsummary, %%optimize";
+
+/// A cell magic and the code it applies to.
+#[derive(Debug, PartialEq, Eq)]
+pub struct CellMagicSource<'a> {
+    /// The magic line, from `%%` (e.g. `%%optimize --amp bf16`).
+    pub line: &'a str,
+    /// The rest of the cell.
+    pub body: &'a str,
+    /// How many lines of the cell come before the body (line N of the body is line
+    /// N + `body_offset` of the cell).
+    pub body_offset: usize,
+}
+
+/// A parsed cell magic.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CellMagic {
+    /// `%%optimize …`: rewrite the training loop in the body.
+    Optimize(optimize::OptimizeRequest),
+}
+
+/// The cell magic of a cell whose first non-blank line starts with `%%`, if it has one.
+pub fn cell_magic(cell: &str) -> Option<CellMagicSource<'_>> {
+    let mut offset = 0;
+    let mut rest = cell;
+    loop {
+        let (line, after) = match rest.split_once('\n') {
+            Some((line, after)) => (line, Some(after)),
+            None => (rest, None),
+        };
+        let trimmed = line.trim();
+        if trimmed.starts_with("%%") {
+            return Some(CellMagicSource {
+                line: trimmed,
+                body: after.unwrap_or(""),
+                body_offset: offset + 1,
+            });
+        }
+        if !trimmed.is_empty() {
+            return None;
+        }
+        offset += 1;
+        rest = after?;
+    }
+}
+
+/// Parses a cell magic's line; the body must hold code.
+pub fn parse_cell(source: &CellMagicSource<'_>) -> Result<CellMagic, MagicReply> {
+    let mut words = source.line.split_whitespace();
+    let name = words.next().unwrap_or_default();
+    let args: Vec<&str> = words.collect();
+    match name {
+        "%%optimize" => {
+            let request = optimize::parse_args(&args)?;
+            if source.body.trim().is_empty() {
+                return Err(MagicReply::Error(
+                    "%%optimize rewrites the training loop below it, in the same cell; this \
+                     cell has nothing after the %%optimize line. Put the loop's code under it."
+                        .to_string(),
+                ));
+            }
+            Ok(CellMagic::Optimize(request))
+        }
+        other => Err(MagicReply::Error(format!(
+            "unknown cell magic {other}; tchmem knows %%optimize (it takes --help). Line magics \
+             ({MAGICS}) start with a single %."
+        ))),
+    }
+}
 
 /// Splits a cell into its leading magic lines and the code after them.
 pub fn split(cell: &str) -> (Vec<&str>, &str) {
@@ -102,6 +173,10 @@ pub fn parse(line: &str) -> Result<Magic, MagicReply> {
         "%memsummary" => MemSummaryArgs::try_parse_from(&args)
             .map(|_| Magic::Summary)
             .map_err(reply),
+        cell if cell.starts_with("%%") => Err(MagicReply::Error(format!(
+            "{cell} is a cell magic: put it on the first line of the cell, above the code it \
+             applies to"
+        ))),
         other => Err(MagicReply::Error(format!(
             "unknown magic {other}; tchmem knows {MAGICS} (each takes --help). \
              evcxr's own commands start with ':' (:help lists them)."
@@ -155,6 +230,37 @@ mod tests {
             panic!()
         };
         assert!(flag.contains("--fast"), "{flag}");
+    }
+
+    #[test]
+    fn cell_magics_take_the_rest_of_the_cell() {
+        let source = cell_magic("\n%%optimize --amp bf16\nlet x = 1;\nlet y = 2;\n").unwrap();
+        assert_eq!(source.line, "%%optimize --amp bf16");
+        assert_eq!(source.body, "let x = 1;\nlet y = 2;\n");
+        assert_eq!(source.body_offset, 2);
+        assert!(matches!(parse_cell(&source), Ok(CellMagic::Optimize(_))));
+        assert_eq!(cell_magic("let x = 1;\n%%optimize"), None);
+        assert_eq!(cell_magic("%memprofile off\nlet x = 1;"), None);
+        assert_eq!(cell_magic(""), None);
+        let Err(MagicReply::Error(empty)) =
+            parse_cell(&cell_magic("%%optimize --amp bf16\n  \n").unwrap())
+        else {
+            panic!()
+        };
+        assert!(empty.contains("nothing after"), "{empty}");
+        let Err(MagicReply::Error(unknown)) = parse_cell(&cell_magic("%%timeit\n1").unwrap())
+        else {
+            panic!()
+        };
+        assert!(unknown.contains("%%optimize"), "{unknown}");
+        assert!(matches!(
+            parse_cell(&cell_magic("%%optimize --help\n").unwrap()),
+            Err(MagicReply::Help(_))
+        ));
+        let Err(MagicReply::Error(misplaced)) = parse("%%optimize --amp bf16") else {
+            panic!()
+        };
+        assert!(misplaced.contains("first line"), "{misplaced}");
     }
 
     #[test]

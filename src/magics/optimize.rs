@@ -1,0 +1,221 @@
+//! `%%optimize`: the cell magic that rewrites the training loop below it to use less memory.
+
+use clap::{Parser, ValueEnum};
+
+use super::MagicReply;
+use crate::rewrite::{Amp, OptimizerChoice, Options};
+
+/// Mixed-precision kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AmpArg {
+    /// bfloat16: f32's range, no loss scaling needed (Ampere GPUs and later).
+    Bf16,
+    /// float16: adds a GradScaler so that small gradients do not underflow.
+    F16,
+}
+
+/// Leaner optimizers, from tchmem::optim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerArg {
+    /// SGD with momentum: one state tensor per parameter (Adam keeps two).
+    Sgd,
+    /// Lion: one momentum per parameter, sign updates (learning rate / 3).
+    Lion,
+    /// AdamW with 8-bit moments: about a quarter of Adam's state.
+    #[value(name = "adamw8bit")]
+    AdamW8bit,
+    /// Adafactor: factored second moments, rows + columns per matrix.
+    Adafactor,
+}
+
+/// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
+/// and run it.
+///
+/// The cell below the magic line must hold the training loop: the model (nn::seq, or a struct
+/// implementing Module), the optimizer (`nn::Adam::default().build(&vs, lr)` …) and a loop with
+/// the forward pass, the loss and `opt.backward_step(&loss)` (or `loss.backward(); opt.step()`
+/// with `opt.zero_grad()`). When the cell does not match what a rewrite needs, nothing runs and
+/// the message says what was looked for and where.
+#[derive(Parser, Debug)]
+#[command(
+    name = "%%optimize",
+    no_binary_name = true,
+    disable_version_flag = true,
+    after_help = "Example:\n  %%optimize --checkpoint --amp bf16 --accumulate 4\n  \
+                  %%optimize --optimizer adafactor --show"
+)]
+pub struct OptimizeArgs {
+    /// Recompute activations in the backward pass instead of keeping them (nn::seq models);
+    /// SEGMENTS defaults to √layers.
+    #[arg(long, value_name = "SEGMENTS", num_args = 0..=1)]
+    pub checkpoint: Option<Option<u32>>,
+    /// Run the forward pass and loss in bf16 or f16: activations take half the memory.
+    #[arg(long, value_name = "KIND")]
+    pub amp: Option<AmpArg>,
+    /// Split each batch into K micro-batches and add up their gradients: about 1/K of the
+    /// activations, same effective batch.
+    #[arg(long, value_name = "K")]
+    pub accumulate: Option<u32>,
+    /// Swap the optimizer for one with less state.
+    #[arg(long, value_name = "NAME")]
+    pub optimizer: Option<OptimizerArg>,
+    /// Show the rewritten code without running it.
+    #[arg(long, conflicts_with = "compare")]
+    pub show: bool,
+    /// Run the original and the rewritten cell for STEPS optimizer steps each, and compare
+    /// their memory, time and loss side by side.
+    #[arg(long, value_name = "STEPS")]
+    pub compare: Option<u32>,
+}
+
+/// What `%%optimize` was asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptimizeRequest {
+    /// The rewrites.
+    pub options: Options,
+    /// Show the rewritten code without running it.
+    pub show: bool,
+    /// Run original and rewritten for this many optimizer steps each and compare them.
+    pub compare: Option<u32>,
+}
+
+impl OptimizeArgs {
+    /// Checks the values clap cannot, and converts to a request.
+    pub fn validate(self) -> Result<OptimizeRequest, String> {
+        if let Some(Some(0)) = self.checkpoint {
+            return Err(
+                "--checkpoint 0: SEGMENTS is how many segments the model is split into \
+                        (each keeps only its input); it must be at least 1, or leave it out for \
+                        √layers"
+                    .to_string(),
+            );
+        }
+        if let Some(k) = self.accumulate {
+            if k < 2 {
+                return Err(format!(
+                    "--accumulate {k}: K is how many micro-batches each batch is split into; it \
+                     must be at least 2 ({k} would change nothing)"
+                ));
+            }
+        }
+        if self.compare == Some(0) {
+            return Err(
+                "--compare 0: STEPS is how many optimizer steps each version runs; it \
+                        must be at least 1"
+                    .to_string(),
+            );
+        }
+        let options = Options {
+            checkpoint: self.checkpoint,
+            amp: self.amp.map(|amp| match amp {
+                AmpArg::Bf16 => Amp::Bf16,
+                AmpArg::F16 => Amp::F16,
+            }),
+            accumulate: self.accumulate,
+            optimizer: self.optimizer.map(|choice| match choice {
+                OptimizerArg::Sgd => OptimizerChoice::Sgd,
+                OptimizerArg::Lion => OptimizerChoice::Lion,
+                OptimizerArg::AdamW8bit => OptimizerChoice::AdamW8bit,
+                OptimizerArg::Adafactor => OptimizerChoice::Adafactor,
+            }),
+        };
+        if options.is_empty() {
+            return Err(
+                "%%optimize needs at least one rewrite: --checkpoint, --amp bf16|f16, \
+                        --accumulate K or --optimizer NAME (%%optimize --help explains each)"
+                    .to_string(),
+            );
+        }
+        Ok(OptimizeRequest {
+            options,
+            show: self.show,
+            compare: self.compare,
+        })
+    }
+}
+
+/// Parses `%%optimize`'s arguments (the words after the name on the magic line).
+pub fn parse_args(args: &[&str]) -> Result<OptimizeRequest, MagicReply> {
+    let parsed = OptimizeArgs::try_parse_from(args).map_err(super::reply)?;
+    parsed
+        .validate()
+        .map_err(|message| MagicReply::Error(format!("error: {message}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(line: &str) -> Result<OptimizeRequest, MagicReply> {
+        let args: Vec<&str> = line.split_whitespace().collect();
+        parse_args(&args)
+    }
+
+    fn error(line: &str) -> String {
+        match parse(line) {
+            Err(MagicReply::Error(message)) => message,
+            other => panic!("{line}: expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn optimize_flags_convert_to_options() {
+        let request =
+            parse("--checkpoint --amp bf16 --accumulate 4 --optimizer adamw8bit --show").unwrap();
+        assert_eq!(
+            request.options,
+            Options {
+                checkpoint: Some(None),
+                amp: Some(Amp::Bf16),
+                accumulate: Some(4),
+                optimizer: Some(OptimizerChoice::AdamW8bit),
+            }
+        );
+        assert!(request.show);
+        assert_eq!(request.compare, None);
+        let request = parse("--checkpoint 3 --compare 20").unwrap();
+        assert_eq!(request.options.checkpoint, Some(Some(3)));
+        assert_eq!(request.compare, Some(20));
+        // --checkpoint's value is optional, even before another flag.
+        let request = parse("--amp f16 --checkpoint").unwrap();
+        assert_eq!(request.options.checkpoint, Some(None));
+        assert_eq!(request.options.amp, Some(Amp::F16));
+    }
+
+    #[test]
+    fn optimize_help_lists_every_flag() {
+        let Err(MagicReply::Help(help)) = parse("--help") else {
+            panic!("no help")
+        };
+        for flag in [
+            "--checkpoint",
+            "--amp",
+            "--accumulate",
+            "--optimizer",
+            "--show",
+            "--compare",
+            "adamw8bit",
+            "bf16",
+        ] {
+            assert!(help.contains(flag), "{flag} missing from:\n{help}");
+        }
+    }
+
+    #[test]
+    fn optimize_mistakes_are_explained() {
+        assert!(error("--accumulate 0").contains("at least 2"));
+        assert!(error("--accumulate 1").contains("at least 2"));
+        assert!(error("--compare 0 --amp bf16").contains("at least 1"));
+        assert!(error("--checkpoint 0").contains("at least 1"));
+        let unknown = error("--optimizer adam");
+        for valid in ["sgd", "lion", "adamw8bit", "adafactor"] {
+            assert!(unknown.contains(valid), "{unknown}");
+        }
+        assert!(error("--amp fp8").contains("bf16"));
+        assert!(error("").contains("at least one rewrite"));
+        assert!(error("--show").contains("at least one rewrite"));
+        assert!(error("--amp bf16 --show --compare 3").contains("--show"));
+        assert!(error("--accumulate many").contains("many"));
+        assert!(error("--turbo").contains("--turbo"));
+    }
+}

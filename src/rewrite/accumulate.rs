@@ -1,0 +1,386 @@
+//! Gradient accumulation by micro-batching: the forward pass, loss and backward pass run once per
+//! micro-batch of the batch tensors (split along dim 0 by `tchmem::accumulate::split`), each
+//! loss weighted by its micro-batch's share of the batch, so that the gradients add up to the
+//! whole batch's; the optimizer steps once.
+
+use proc_macro2::Ident;
+use quote::{quote, ToTokens};
+use syn::visit::{self, Visit};
+use syn::{Expr, Stmt};
+
+use super::cell::line_of;
+use super::span::ForwardSpan;
+use super::syntax::{as_ident, bindings, let_bindings, mentions, stmts, Names};
+use super::tree::{Loop, Role, Tree};
+use super::Refusal;
+
+/// The names of the variables the generated code declares.
+pub(crate) struct Generated {
+    pub weight: Ident,
+    pub accumulated: Ident,
+    pub scaled: Ident,
+    pub part: Ident,
+    pub sum: Ident,
+}
+
+impl Generated {
+    pub fn new(names: &mut Names) -> Generated {
+        Generated {
+            weight: names.fresh("weight"),
+            accumulated: names.fresh("accumulated"),
+            scaled: names.fresh("scaled"),
+            part: names.fresh("part"),
+            sum: names.fresh("sum"),
+        }
+    }
+}
+
+/// Methods whose result is a number or a property, not a batch tensor.
+const SCALAR_METHODS: [&str; 14] = [
+    "size",
+    "size1",
+    "size2",
+    "size3",
+    "size4",
+    "dim",
+    "numel",
+    "kind",
+    "device",
+    "int64_value",
+    "double_value",
+    "len",
+    "is_empty",
+    "defined",
+];
+
+/// The batch tensors the forward pass uses: bound by the innermost training loop's pattern
+/// (not the `enumerate()` index), by the enclosing function's `Tensor` parameters, or by `let`
+/// statements between the start of the step's block and the forward call; last binding wins.
+pub(crate) fn batch_tensors(
+    tree: &Tree,
+    block_id: usize,
+    span: &ForwardSpan,
+) -> Result<Vec<Ident>, Refusal> {
+    let block = tree.blocks[block_id].block;
+    let mut candidates: Vec<Ident> = Vec::new();
+    // The last binding of a name decides whether it is a batch tensor; the first, where it
+    // goes in the list.
+    fn add(candidates: &mut Vec<Ident>, ident: &Ident, tensor: bool) {
+        match candidates.iter().position(|c| c == ident) {
+            Some(i) if !tensor => {
+                candidates.remove(i);
+            }
+            None if tensor => candidates.push(ident.clone()),
+            _ => {}
+        }
+    }
+    if let Some(&loop_body) = tree.loops(block_id).first() {
+        if let Role::Loop(Loop::For(for_loop)) = tree.blocks[loop_body].role {
+            for binding in loop_bindings(for_loop) {
+                add(&mut candidates, &binding, true);
+            }
+        }
+    }
+    for id in tree.ancestors(block_id) {
+        if tree.blocks[id].item_scope != tree.blocks[block_id].item_scope {
+            break;
+        }
+        if let Role::Fn(sig) = tree.blocks[id].role {
+            for input in &sig.inputs {
+                if let syn::FnArg::Typed(arg) = input {
+                    let tensor = is_tensor_type(&arg.ty);
+                    for binding in bindings(&arg.pat) {
+                        add(&mut candidates, &binding.ident, tensor);
+                    }
+                }
+            }
+            break;
+        }
+    }
+    // With a loop pattern or tensor parameters, a `let` is a batch tensor only if it derives
+    // from one (`let xs = xs.to_device(d)`), not a constant like a mask; without them (a
+    // `while` loop slicing a data set), any tensor value is.
+    let span_stmts = &block.stmts[span.start..=span.end];
+    let used_in_span = |c: &Ident| {
+        let name = c.to_string();
+        span_stmts
+            .iter()
+            .any(|s| mentions(s.to_token_stream(), &name))
+    };
+    let derived_only = candidates.iter().any(used_in_span);
+    for stmt in &block.stmts[..span.start] {
+        if let Stmt::Local(local) = stmt {
+            let tensor = local.init.as_ref().is_some_and(|init| {
+                let derived = candidates
+                    .iter()
+                    .any(|c| mentions(init.expr.to_token_stream(), &c.to_string()));
+                !is_scalar(&init.expr) && (derived || !derived_only)
+            });
+            for binding in let_bindings(stmt) {
+                add(&mut candidates, &binding.ident, tensor);
+            }
+        }
+    }
+    let mut through_fields = Vec::new();
+    let batch: Vec<Ident> = candidates
+        .into_iter()
+        .filter(used_in_span)
+        .filter(|c| {
+            let field = used_through_field(span_stmts, c);
+            if field {
+                through_fields.push(c.to_string());
+            }
+            !field
+        })
+        .collect();
+    if batch.is_empty() {
+        let hint = match through_fields.as_slice() {
+            [] => String::new(),
+            names => format!(
+                " ({} is used through a field, so it is not a tensor)",
+                names.join(", ")
+            ),
+        };
+        return Err(Refusal::at(
+            span.lines.0,
+            format!(
+                "--accumulate looks for the batch tensors that the forward pass uses: variables \
+                 bound by the training loop's pattern (`for (xs, ys) in …`) or by `let` \
+                 statements before the forward call; the forward pass and loss ({}) use \
+                 none{hint}. Bind the batch with `let xs = …;` before the forward call.",
+                span.describe_lines()
+            ),
+        ));
+    }
+    Ok(batch)
+}
+
+/// The variables a `for` pattern binds, without the index of `.enumerate()` (or any, for a
+/// loop over a range of numbers).
+fn loop_bindings(for_loop: &syn::ExprForLoop) -> Vec<Ident> {
+    if let Expr::Range(_) = super::syntax::strip_parens(&for_loop.expr) {
+        return Vec::new();
+    }
+    let enumerated = matches!(
+        super::syntax::strip_parens(&for_loop.expr),
+        Expr::MethodCall(call) if call.method == "enumerate"
+    );
+    match (&*for_loop.pat, enumerated) {
+        (syn::Pat::Tuple(tuple), true) if tuple.elems.len() == 2 => bindings(&tuple.elems[1]),
+        (pat, _) => bindings(pat),
+    }
+    .into_iter()
+    .map(|b| b.ident)
+    .collect()
+}
+
+/// `Tensor` or `&Tensor` (any path ending in `Tensor`).
+fn is_tensor_type(ty: &syn::Type) -> bool {
+    match ty {
+        syn::Type::Reference(r) => is_tensor_type(&r.elem),
+        syn::Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
+        _ => false,
+    }
+}
+
+/// Whether a `let` value is a number or property rather than a tensor: a literal, a cast, a
+/// `size()`-like call, a conversion (`f64::try_from`), or arithmetic on those.
+fn is_scalar(expr: &Expr) -> bool {
+    match expr {
+        Expr::Lit(_) | Expr::Cast(_) | Expr::Range(_) => true,
+        Expr::Paren(e) => is_scalar(&e.expr),
+        Expr::Reference(e) => is_scalar(&e.expr),
+        Expr::Try(e) => is_scalar(&e.expr),
+        Expr::Index(e) => is_scalar(&e.expr),
+        Expr::Unary(e) => is_scalar(&e.expr),
+        Expr::Binary(e) => is_scalar(&e.left) && is_scalar(&e.right),
+        Expr::MethodCall(call) => {
+            let method = call.method.to_string();
+            match method.as_str() {
+                "unwrap" | "expect" | "clone" => is_scalar(&call.receiver),
+                _ => SCALAR_METHODS.contains(&method.as_str()),
+            }
+        }
+        Expr::Call(call) => match &*call.func {
+            Expr::Path(p) => p
+                .path
+                .segments
+                .last()
+                .is_some_and(|s| s.ident == "try_from" || s.ident == "from"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Whether `stmts` use `name.field` (a struct, not a tensor).
+fn used_through_field(stmts: &[Stmt], name: &Ident) -> bool {
+    struct Finder<'n>(&'n Ident, bool);
+    impl<'a> Visit<'a> for Finder<'_> {
+        fn visit_expr_field(&mut self, e: &'a syn::ExprField) {
+            if as_ident(&e.base) == Some(self.0) {
+                self.1 = true;
+            }
+            visit::visit_expr_field(self, e);
+        }
+    }
+    let mut finder = Finder(name, false);
+    stmts.iter().for_each(|s| finder.visit_stmt(s));
+    finder.1
+}
+
+/// Whether the span builds model parts or optimizers (`nn::linear(…)`, `VarStore::new`,
+/// `.build(&vs, lr)`), which must not run once per micro-batch. Returns what and its line.
+pub(crate) fn builds_model(stmts: &[Stmt]) -> Option<(String, usize)> {
+    struct Finder(Option<(String, usize)>);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_call(&mut self, call: &'a syn::ExprCall) {
+            if let Expr::Path(p) = &*call.func {
+                let names = super::syntax::segments(&p.path);
+                let building = names.iter().any(|n| n == "VarStore")
+                    || (names.len() >= 2
+                        && names[names.len() - 2] == "nn"
+                        && names
+                            .last()
+                            .is_some_and(|n| n.starts_with(|c: char| c.is_lowercase())));
+                if building && self.0.is_none() {
+                    self.0 = Some((names.join("::"), line_of(syn::spanned::Spanned::span(call))));
+                }
+            }
+            visit::visit_expr_call(self, call);
+        }
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            if call.method == "build" && call.args.len() == 2 && self.0.is_none() {
+                self.0 = Some((
+                    "an optimizer's .build(…)".to_string(),
+                    line_of(call.method.span()),
+                ));
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut finder = Finder(None);
+    stmts.iter().for_each(|s| finder.visit_stmt(s));
+    finder.0
+}
+
+/// What replaces the span: `opt.zero_grad();` and the micro-batch loop that binds the loss.
+/// `body` is the span (already under autocast if mixed precision is on); with a grad scaler,
+/// the backward pass is scaled.
+pub(crate) fn micro_batches(
+    k: u32,
+    batch: &[Ident],
+    body: &[Stmt],
+    span: &ForwardSpan,
+    opt: &Ident,
+    scaler: Option<&Ident>,
+    names: &Generated,
+) -> Result<Vec<Stmt>, Refusal> {
+    let Generated {
+        weight,
+        accumulated,
+        scaled,
+        part,
+        sum,
+    } = names;
+    let loss = &span.loss.ident;
+    let loss_pattern = if span.loss.mutable {
+        quote!(mut #loss)
+    } else {
+        quote!(#loss)
+    };
+    let k = proc_macro2::Literal::u32_unsuffixed(k);
+    let backward = match scaler {
+        Some(scaler) => quote!(#scaler.scale(&#scaled).backward();),
+        None => quote!(#scaled.backward();),
+    };
+    stmts(quote! {
+        #opt.zero_grad();
+        let #loss_pattern = {
+            let mut #accumulated: Option<tch::Tensor> = None;
+            for (#weight, [#(ref #batch),*]) in tchmem::accumulate::split(#k, [#(&#batch),*]) {
+                #(#body)*
+                let #scaled = &#loss * #weight;
+                #backward
+                let #part = #scaled.detach();
+                #accumulated = Some(match #accumulated {
+                    Some(#sum) => #sum + #part,
+                    None => #part,
+                });
+            }
+            #accumulated.expect("an empty batch")
+        };
+    })
+}
+
+/// An assignment in `stmts` to a variable they do not bind (`total += …`): it would run once
+/// per micro-batch. Returns the variable and the line.
+pub(crate) fn outer_assignment(stmts: &[Stmt]) -> Option<(String, usize)> {
+    struct Locals(Vec<String>);
+    impl<'a> Visit<'a> for Locals {
+        fn visit_local(&mut self, local: &'a syn::Local) {
+            self.0
+                .extend(bindings(&local.pat).iter().map(|b| b.ident.to_string()));
+            visit::visit_local(self, local);
+        }
+    }
+    struct Finder {
+        locals: Vec<String>,
+        found: Option<(String, usize)>,
+    }
+    impl Finder {
+        fn assigned(&mut self, target: &Expr) {
+            let mut root = target;
+            loop {
+                root = match root {
+                    Expr::Field(e) => &e.base,
+                    Expr::Index(e) => &e.expr,
+                    Expr::Unary(e) => &e.expr,
+                    Expr::Paren(e) => &e.expr,
+                    _ => break,
+                };
+            }
+            if let Some(ident) = as_ident(root) {
+                let name = ident.to_string();
+                if !self.locals.contains(&name) && self.found.is_none() {
+                    self.found = Some((name, line_of(ident.span())));
+                }
+            }
+        }
+    }
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_assign(&mut self, e: &'a syn::ExprAssign) {
+            self.assigned(&e.left);
+            visit::visit_expr_assign(self, e);
+        }
+        fn visit_expr_binary(&mut self, e: &'a syn::ExprBinary) {
+            use syn::BinOp::*;
+            if matches!(
+                e.op,
+                AddAssign(_)
+                    | SubAssign(_)
+                    | MulAssign(_)
+                    | DivAssign(_)
+                    | RemAssign(_)
+                    | BitXorAssign(_)
+                    | BitAndAssign(_)
+                    | BitOrAssign(_)
+                    | ShlAssign(_)
+                    | ShrAssign(_)
+            ) {
+                self.assigned(&e.left);
+            }
+            visit::visit_expr_binary(self, e);
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+        fn visit_item(&mut self, _: &'a syn::Item) {}
+    }
+    let mut locals = Locals(Vec::new());
+    stmts.iter().for_each(|s| locals.visit_stmt(s));
+    let mut finder = Finder {
+        locals: locals.0,
+        found: None,
+    };
+    stmts.iter().for_each(|s| finder.visit_stmt(s));
+    finder.found
+}

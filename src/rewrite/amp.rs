@@ -1,0 +1,56 @@
+//! Mixed precision: the forward pass and loss run inside `tchmem::amp::autocast`, and for f16
+//! a `tchmem::amp::GradScaler` scales the loss and steps the optimizer.
+
+use proc_macro2::{Ident, TokenStream};
+use quote::quote;
+use syn::{Expr, Stmt};
+
+use super::syntax::{stmts, Binding};
+use super::{Amp, Refusal};
+
+/// `tch::Kind::…` for an AMP kind.
+pub(crate) fn kind(amp: Amp) -> TokenStream {
+    match amp {
+        Amp::Bf16 => quote!(tch::Kind::BFloat16),
+        Amp::F16 => quote!(tch::Kind::Half),
+    }
+}
+
+/// `let (a, b, loss) = tchmem::amp::autocast(kind, || { body; (a, b, loss) });`: `body` runs
+/// under autocast and the variables in `returned` stay available after it.
+pub(crate) fn autocast(amp: Amp, body: &[Stmt], returned: &[Binding]) -> Result<Stmt, Refusal> {
+    let kind = kind(amp);
+    let names: Vec<&Ident> = returned.iter().map(|b| &b.ident).collect();
+    let patterns: Vec<TokenStream> = returned
+        .iter()
+        .map(|b| {
+            let ident = &b.ident;
+            if b.mutable {
+                quote!(mut #ident)
+            } else {
+                quote!(#ident)
+            }
+        })
+        .collect();
+    let (pattern, value) = match (patterns.as_slice(), names.as_slice()) {
+        ([pattern], [name]) => (pattern.clone(), quote!(#name)),
+        _ => (quote!((#(#patterns),*)), quote!((#(#names),*))),
+    };
+    let generated = stmts(quote! {
+        let #pattern = tchmem::amp::autocast(#kind, || {
+            #(#body)*
+            #value
+        });
+    })?;
+    generated
+        .into_iter()
+        .next()
+        .ok_or_else(|| Refusal::new("internal error: no autocast statement", None))
+}
+
+/// `let mut grad_scaler = tchmem::amp::GradScaler::new(vs);`.
+pub(crate) fn scaler(name: &Ident, vs: &Expr) -> Result<Vec<Stmt>, Refusal> {
+    stmts(quote! {
+        let mut #name = tchmem::amp::GradScaler::new(#vs);
+    })
+}

@@ -1,0 +1,258 @@
+//! `%%optimize`'s rewrites: pure functions from a cell's source to the rewritten source.
+//!
+//! A cell holds an ordinary tch training loop. [`rewrite`] parses it with syn, applies the
+//! requested rewrites (activation checkpointing, mixed precision, micro-batching, a leaner
+//! optimizer), and prints the result; statements it did not change keep their original text and
+//! comments. When the cell does not match a pattern a rewrite needs, it refuses with a
+//! [`Refusal`] that says what it looked for and where. [`instrument_for_compare`] prepares a cell
+//! (original or rewritten) for `--compare`: it stops after the runtime's number of steps.
+//!
+//! The modules, one job each: `cell` parses and prints, `tree` indexes a cell's blocks,
+//! `syntax` holds small syntax helpers, `step` finds the training step, `span` the forward pass
+//! up to the loss; `optimizer`, `checkpoint`, `amp`, `accumulate` and `compare` build each
+//! rewrite, and `training` applies mixed precision and micro-batching together (both rewrite
+//! the training step).
+
+mod accumulate;
+mod amp;
+mod cell;
+mod checkpoint;
+mod compare;
+mod optimizer;
+mod span;
+mod step;
+mod syntax;
+mod training;
+mod tree;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+/// Mixed-precision kind for `--amp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Amp {
+    /// bfloat16: f32's range, so no loss scaling is needed.
+    Bf16,
+    /// float16: needs a `GradScaler` so that small gradients do not underflow.
+    F16,
+}
+
+/// Optimizer for `--optimizer`, from `tchmem::optim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerChoice {
+    /// SGD with momentum: one state tensor per parameter (Adam keeps two).
+    Sgd,
+    /// Lion: one momentum per parameter, sign updates.
+    Lion,
+    /// AdamW with block-wise 8-bit moments: a quarter of Adam's state.
+    AdamW8bit,
+    /// Adafactor: factored second moments, state ~ rows + columns per matrix.
+    Adafactor,
+}
+
+impl OptimizerChoice {
+    /// The type's name in `tchmem::optim`.
+    pub fn type_name(self) -> &'static str {
+        match self {
+            OptimizerChoice::Sgd => "Sgd",
+            OptimizerChoice::Lion => "Lion",
+            OptimizerChoice::AdamW8bit => "AdamW8bit",
+            OptimizerChoice::Adafactor => "Adafactor",
+        }
+    }
+
+    /// The value `--optimizer` takes for it.
+    pub fn flag_value(self) -> &'static str {
+        match self {
+            OptimizerChoice::Sgd => "sgd",
+            OptimizerChoice::Lion => "lion",
+            OptimizerChoice::AdamW8bit => "adamw8bit",
+            OptimizerChoice::Adafactor => "adafactor",
+        }
+    }
+}
+
+/// Which rewrites to apply; `None` leaves that aspect of the cell alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Activation checkpointing; the inner value is the number of segments (default: √layers,
+    /// chosen by the runtime).
+    pub checkpoint: Option<Option<u32>>,
+    /// Mixed precision for the forward pass and the loss.
+    pub amp: Option<Amp>,
+    /// Split each batch into this many micro-batches, accumulating gradients.
+    pub accumulate: Option<u32>,
+    /// Swap the optimizer.
+    pub optimizer: Option<OptimizerChoice>,
+}
+
+impl Options {
+    /// True when no rewrite is requested.
+    pub fn is_empty(&self) -> bool {
+        *self == Options::default()
+    }
+
+    /// The options as `%%optimize` flags, e.g. `--checkpoint --amp bf16`.
+    pub fn flags(&self) -> String {
+        let mut flags = Vec::new();
+        match self.checkpoint {
+            Some(Some(segments)) => flags.push(format!("--checkpoint {segments}")),
+            Some(None) => flags.push("--checkpoint".to_string()),
+            None => {}
+        }
+        match self.amp {
+            Some(Amp::Bf16) => flags.push("--amp bf16".to_string()),
+            Some(Amp::F16) => flags.push("--amp f16".to_string()),
+            None => {}
+        }
+        if let Some(k) = self.accumulate {
+            flags.push(format!("--accumulate {k}"));
+        }
+        if let Some(choice) = self.optimizer {
+            flags.push(format!("--optimizer {}", choice.flag_value()));
+        }
+        flags.join(" ")
+    }
+}
+
+/// A rewritten cell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rewritten {
+    /// The code to show and run; it starts with a comment header saying what was rewritten.
+    pub code: String,
+    /// One line per change (or skipped rewrite), for the user.
+    pub changes: Vec<String>,
+}
+
+/// Why a cell was not rewritten: what the rewriter looked for, and where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct Refusal {
+    /// What was looked for and not found (or found and not safe to rewrite), and what to do.
+    pub message: String,
+    /// The 1-based line in the cell source the message is about, when there is one.
+    pub line: Option<usize>,
+}
+
+impl Refusal {
+    pub(crate) fn new(message: impl Into<String>, line: Option<usize>) -> Refusal {
+        Refusal {
+            message: message.into(),
+            line,
+        }
+    }
+
+    pub(crate) fn at(line: usize, message: impl Into<String>) -> Refusal {
+        Refusal::new(message, Some(line))
+    }
+
+    /// The same refusal with its line moved down by `lines` (for a cell body that starts below
+    /// a magic line).
+    pub fn shifted(self, lines: usize) -> Refusal {
+        Refusal {
+            line: self.line.map(|line| line + lines),
+            ..self
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "line {line}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// Rewrites the training loop in `src` (a cell's code) as `options` ask.
+///
+/// Every requested rewrite is applied or the whole cell is refused; a rewrite whose `tchmem::`
+/// module the cell already uses is skipped (with a line in `changes`), so rewriting twice never
+/// wraps twice. Never panics: malformed input is a [`Refusal`].
+pub fn rewrite(src: &str, options: &Options) -> Result<Rewritten, Refusal> {
+    let options = options.clone();
+    isolated(src, move |src| rewrite_cell(src, &options))
+}
+
+/// Instruments `src` (an original or rewritten cell) for `--compare`: labels the outermost loop
+/// around the training step `'tchmem_train` (or reuses its label) and, after the step, calls
+/// `tchmem::compare::record_step(&loss)`, breaking out once it returns true (the runtime decides
+/// after how many steps).
+pub fn instrument_for_compare(src: &str) -> Result<String, Refusal> {
+    isolated(src, compare::instrument)
+}
+
+/// The rewrite, on the calling thread (tests call it directly so that a panic fails them).
+pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Refusal> {
+    let cell = cell::parse(src)?;
+    let mut block = cell.block.clone();
+    let mut names = syntax::Names::of(&block);
+    let present = syntax::tchmem_modules(&block);
+    let mut changes = Vec::new();
+    let skip = |module: &str, flag: &str, changes: &mut Vec<String>| -> bool {
+        let found = present.contains(module);
+        if found {
+            changes.push(format!(
+                "{flag}: skipped, the cell already uses tchmem::{module} (rewrite the original \
+                 cell instead, to combine rewrites)"
+            ));
+        }
+        found
+    };
+
+    // The optimizer first, so that the f16 grad scaler is created next to the optimizer the
+    // cell ends up with.
+    if let Some(choice) = options.optimizer {
+        if !skip("optim", "--optimizer", &mut changes) {
+            optimizer::swap(&mut block, choice, &mut changes)?;
+        }
+    }
+    if let Some(segments) = options.checkpoint {
+        if !skip("checkpoint", "--checkpoint", &mut changes) {
+            checkpoint::apply(&mut block, segments, &mut changes)?;
+        }
+    }
+    let amp = options.amp.filter(|_| !skip("amp", "--amp", &mut changes));
+    let accumulate = options
+        .accumulate
+        .filter(|_| !skip("accumulate", "--accumulate", &mut changes));
+    if amp.is_some() || accumulate.is_some() {
+        training::apply(&mut block, amp, accumulate, &mut names, &mut changes)?;
+    }
+
+    let header = format!("%%optimize {}: rewritten by tchmem", options.flags());
+    let code = cell::print(&cell, &block, &header);
+    Ok(Rewritten { code, changes })
+}
+
+/// The stack the rewriter runs on: syn and the visitors recurse once per nesting level.
+const STACK_BYTES: usize = 256 << 20;
+
+/// Runs `job` on its own thread with a large stack, so that deeply nested input cannot overflow
+/// the caller's stack, a bug cannot take the kernel down (a panic becomes a refusal), and the
+/// source text that proc-macro2 keeps per thread for span locations is freed with the thread.
+fn isolated<T: Send + 'static>(
+    src: &str,
+    job: impl FnOnce(&str) -> Result<T, Refusal> + Send + 'static,
+) -> Result<T, Refusal> {
+    let src = src.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("tchmem-rewrite".into())
+        .stack_size(STACK_BYTES)
+        .spawn(move || job(&src));
+    match spawned {
+        Ok(handle) => handle.join().unwrap_or_else(|_| {
+            Err(Refusal::new(
+                "the rewriter failed on this cell (an internal error, please report it with \
+                 the cell); nothing was run",
+                None,
+            ))
+        }),
+        Err(error) => Err(Refusal::new(
+            format!("could not start the rewriter: {error}"),
+            None,
+        )),
+    }
+}

@@ -1,0 +1,361 @@
+//! Optimizers built in the cell (`nn::Adam::default().build(&vs, lr)` and its variants), and
+//! swapping them for one of `tchmem::optim`'s leaner ones.
+
+use proc_macro2::Ident;
+use quote::ToTokens;
+use syn::visit::{self, Visit};
+use syn::visit_mut::{self, VisitMut};
+use syn::{Block, Expr, Stmt};
+
+use super::cell::line_of;
+use super::syntax::{as_ident, comment, is_nn_path, segments, strip_parens};
+use super::tree::Tree;
+use super::{OptimizerChoice, Refusal};
+
+/// tch's optimizer configurations.
+const NN_CONFIGS: [&str; 4] = ["Adam", "AdamW", "Sgd", "RmsProp"];
+/// tch's functions that make one (`nn::adam(β1, β2, wd)`, …).
+const NN_CONFIG_FNS: [&str; 4] = ["adam", "adamw", "sgd", "rms_prop"];
+/// Methods of tch's `nn::Optimizer` that `tchmem::optim::Optimizer` has too.
+const SHARED_METHODS: [&str; 11] = [
+    "backward_step",
+    "backward_step_clip",
+    "backward_step_clip_norm",
+    "step",
+    "zero_grad",
+    "set_lr",
+    "clip_grad_value",
+    "clip_grad_norm",
+    // Generic methods every value has, and ones the rewrites themselves use.
+    "lr",
+    "state_bytes",
+    "name",
+];
+
+/// What configures an optimizer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Config {
+    /// One of tch's (`Adam`, …), and whether it sets anything beyond the defaults.
+    Nn { name: String, customised: bool },
+    /// One of `tchmem::optim`'s.
+    Tchmem(String),
+}
+
+/// An optimizer built in the cell.
+pub(crate) struct Build {
+    /// The block and statement holding the build.
+    pub block: usize,
+    pub index: usize,
+    /// `opt` in `let mut opt = ….build(…)…;`.
+    pub binding: Option<Ident>,
+    /// The `&vs` argument.
+    pub vs: Expr,
+    pub config: Config,
+    pub line: usize,
+}
+
+/// What configures the optimizer `receiver.build(…)` builds, if it is an optimizer config.
+pub(crate) fn config(receiver: &Expr) -> Option<Config> {
+    let mut expr = strip_parens(receiver);
+    let mut customised = false;
+    // Builder methods: `nn::Adam::default().wd(1e-4)`.
+    while let Expr::MethodCall(call) = expr {
+        customised = true;
+        expr = strip_parens(&call.receiver);
+    }
+    match expr {
+        Expr::Call(call) => {
+            let Expr::Path(func) = &*call.func else {
+                return None;
+            };
+            let names = segments(&func.path);
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            match names.as_slice() {
+                ["tchmem", "optim", name, "default"] => Some(Config::Tchmem(name.to_string())),
+                [.., name, "default"]
+                    if NN_CONFIGS.contains(name)
+                        && (names.len() == 2 || is_nn_path(&func.path, &[name, "default"])) =>
+                {
+                    Some(Config::Nn {
+                        name: name.to_string(),
+                        customised,
+                    })
+                }
+                [.., function]
+                    if NN_CONFIG_FNS.contains(function) && is_nn_path(&func.path, &[function]) =>
+                {
+                    Some(Config::Nn {
+                        name: function.to_string(),
+                        customised: true,
+                    })
+                }
+                _ => None,
+            }
+        }
+        Expr::Struct(literal) => {
+            let names = segments(&literal.path);
+            let name = names.last()?;
+            let plain = names.len() == 1 || is_nn_path(&literal.path, &[name]);
+            (NN_CONFIGS.contains(&name.as_str()) && plain).then(|| Config::Nn {
+                name: name.clone(),
+                customised: customised || !literal.fields.is_empty(),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The `.build(vs, lr)` call of an optimizer config, if `expr` is one.
+fn as_build(expr: &Expr) -> Option<(&syn::ExprMethodCall, Config)> {
+    match expr {
+        Expr::MethodCall(call) if call.method == "build" && call.args.len() == 2 => {
+            Some((call, config(&call.receiver)?))
+        }
+        _ => None,
+    }
+}
+
+/// Every optimizer built in the cell.
+pub(crate) fn builds(tree: &Tree) -> Vec<Build> {
+    struct Finder {
+        found: Vec<(Expr, Config, usize)>,
+    }
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr(&mut self, expr: &'a Expr) {
+            if let Some((call, config)) = as_build(expr) {
+                self.found
+                    .push((call.args[0].clone(), config, line_of(call.method.span())));
+            }
+            visit::visit_expr(self, expr);
+        }
+        // Nested blocks are the tree's other entries.
+        fn visit_block(&mut self, _: &'a Block) {}
+    }
+    let mut out = Vec::new();
+    for (block_id, info) in tree.blocks.iter().enumerate() {
+        for (index, stmt) in info.block.stmts.iter().enumerate() {
+            let mut finder = Finder { found: Vec::new() };
+            finder.visit_stmt(stmt);
+            let binding = match stmt {
+                Stmt::Local(local) => match &local.pat {
+                    syn::Pat::Ident(p) => Some(p.ident.clone()),
+                    syn::Pat::Type(t) => match &*t.pat {
+                        syn::Pat::Ident(p) => Some(p.ident.clone()),
+                        _ => None,
+                    },
+                    _ => None,
+                },
+                _ => None,
+            };
+            for (vs, config, line) in finder.found {
+                out.push(Build {
+                    block: block_id,
+                    index,
+                    binding: binding.clone(),
+                    vs,
+                    config,
+                    line,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Swaps every tch optimizer built in the cell for `choice`.
+pub(crate) fn swap(
+    block: &mut Block,
+    choice: OptimizerChoice,
+    changes: &mut Vec<String>,
+) -> Result<(), Refusal> {
+    let flag = format!("--optimizer {}", choice.flag_value());
+    let tree = Tree::of(block);
+    let found: Vec<Build> = builds(&tree)
+        .into_iter()
+        .filter(|b| matches!(b.config, Config::Nn { .. }))
+        .collect();
+    if found.is_empty() {
+        let step = super::step::the_step(&tree, &flag).ok();
+        return Err(Refusal::new(
+            format!(
+                "{flag} looks for an optimizer built in this cell: \
+                 `nn::Adam::default().build(&vs, lr)` (or AdamW, Sgd, RmsProp; a struct literal \
+                 like `nn::Adam {{ wd: 1e-4, ..Default::default() }}`; or `nn::adam(β1, β2, \
+                 wd)`); found none{}. Build the optimizer in this cell.",
+                match &step {
+                    Some(step) => format!(" (`{}` is used at the training step)", step.opt),
+                    None => String::new(),
+                }
+            ),
+            step.map(|s| s.line),
+        ));
+    }
+    // Methods tch's optimizer has and ours lacks would not compile after the swap.
+    let variables: Vec<Ident> = found.iter().filter_map(|b| b.binding.clone()).collect();
+    if let Some((variable, method, line)) = unsupported_call(block, &variables) {
+        return Err(Refusal::at(
+            line,
+            format!(
+                "{flag}: `{variable}.{method}(…)` has no equivalent on \
+                 tchmem::optim::Optimizer (it has {}); remove the call or keep the optimizer.",
+                SHARED_METHODS[..8].join(", ")
+            ),
+        ));
+    }
+    drop(tree);
+
+    for build in &found {
+        let Config::Nn { name, customised } = &build.config else {
+            continue;
+        };
+        let mut change = format!(
+            "line {}: {flag}: nn::{name} → tchmem::optim::{} ({})",
+            build.line,
+            choice.type_name(),
+            state_note(choice)
+        );
+        if *customised {
+            change.push_str(&format!(
+                "; the settings given to nn::{name} are not carried over: tchmem::optim::{}'s \
+                 defaults apply",
+                choice.type_name()
+            ));
+        }
+        change.push_str(match choice {
+            OptimizerChoice::Lion => "; learning rate divided by 3 (see the comment in the code)",
+            OptimizerChoice::Sgd => {
+                "; same learning rate (SGD often wants a larger one than Adam: tune it)"
+            }
+            _ => "; same learning rate",
+        });
+        changes.push(change);
+    }
+    let mut swapper = Swapper {
+        choice,
+        pending: Vec::new(),
+        fix_bare: imports_nn_optimizer(block),
+        types_fixed: 0,
+    };
+    swapper.visit_block_mut(block);
+    if swapper.types_fixed > 0 {
+        changes.push(format!(
+            "{flag}: {} type annotation{} nn::Optimizer → tchmem::optim::Optimizer",
+            swapper.types_fixed,
+            if swapper.types_fixed == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(())
+}
+
+fn state_note(choice: OptimizerChoice) -> &'static str {
+    match choice {
+        OptimizerChoice::Sgd => "momentum 0.9: one f32 state tensor per parameter, Adam keeps two",
+        OptimizerChoice::Lion => "one f32 momentum per parameter, Adam keeps two",
+        OptimizerChoice::AdamW8bit => "8-bit moments: about a quarter of Adam's state",
+        OptimizerChoice::Adafactor => {
+            "factored second moments: rows + columns per matrix instead of rows × columns"
+        }
+    }
+}
+
+/// The first call on an optimizer variable of a method `tchmem::optim::Optimizer` lacks.
+fn unsupported_call(block: &Block, variables: &[Ident]) -> Option<(Ident, String, usize)> {
+    struct Finder<'v> {
+        variables: &'v [Ident],
+        found: Option<(Ident, String, usize)>,
+    }
+    impl<'a> Visit<'a> for Finder<'_> {
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            if let Some(receiver) = as_ident(&call.receiver) {
+                let method = call.method.to_string();
+                if self.variables.contains(receiver)
+                    && !SHARED_METHODS.contains(&method.as_str())
+                    && self.found.is_none()
+                {
+                    self.found = Some((receiver.clone(), method, line_of(call.method.span())));
+                }
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut finder = Finder {
+        variables,
+        found: None,
+    };
+    finder.visit_block(block);
+    finder.found
+}
+
+/// Whether the cell imports `Optimizer` from tch's `nn` (so a bare `Optimizer` type is tch's).
+fn imports_nn_optimizer(block: &Block) -> bool {
+    block.stmts.iter().any(|stmt| match stmt {
+        Stmt::Item(syn::Item::Use(item)) => {
+            let text = item.to_token_stream().to_string();
+            text.contains("nn") && text.contains("Optimizer")
+        }
+        _ => false,
+    })
+}
+
+/// Replaces the configs, the learning rate for Lion, and `nn::Optimizer` types.
+struct Swapper {
+    choice: OptimizerChoice,
+    /// Comments for the statement being visited.
+    pending: Vec<String>,
+    fix_bare: bool,
+    types_fixed: usize,
+}
+
+impl VisitMut for Swapper {
+    fn visit_block_mut(&mut self, block: &mut Block) {
+        let mut stmts = Vec::with_capacity(block.stmts.len());
+        for mut stmt in std::mem::take(&mut block.stmts) {
+            let outer = std::mem::take(&mut self.pending);
+            self.visit_stmt_mut(&mut stmt);
+            let mine = std::mem::replace(&mut self.pending, outer);
+            stmts.extend(mine.iter().map(|text| comment(text)));
+            stmts.push(stmt);
+        }
+        block.stmts = stmts;
+    }
+
+    fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        visit_mut::visit_expr_mut(self, expr);
+        let Expr::MethodCall(call) = expr else {
+            return;
+        };
+        if call.method != "build" || call.args.len() != 2 {
+            return;
+        }
+        if !matches!(config(&call.receiver), Some(Config::Nn { .. })) {
+            return;
+        }
+        let name = Ident::new(self.choice.type_name(), proc_macro2::Span::call_site());
+        *call.receiver = syn::parse_quote!(tchmem::optim::#name::default());
+        if self.choice == OptimizerChoice::Lion {
+            let lr = &call.args[1];
+            let lr: Expr = match strip_parens(lr) {
+                Expr::Lit(_) | Expr::Path(_) | Expr::Field(_) | Expr::MethodCall(_) => lr.clone(),
+                _ => syn::parse_quote!((#lr)),
+            };
+            call.args[1] = syn::parse_quote!(#lr / 3.0);
+            self.pending.push(
+                "tchmem: Lion's sign updates move every weight by the whole learning rate, so \
+                 it needs a smaller one than Adam: its authors use 3-10x smaller than AdamW's. \
+                 This takes lr / 3."
+                    .to_string(),
+            );
+        }
+    }
+
+    fn visit_type_path_mut(&mut self, ty: &mut syn::TypePath) {
+        visit_mut::visit_type_path_mut(self, ty);
+        let is_tch = ty.qself.is_none()
+            && (is_nn_path(&ty.path, &["Optimizer"])
+                || (self.fix_bare && ty.path.is_ident("Optimizer")));
+        if is_tch {
+            ty.path = syn::parse_quote!(tchmem::optim::Optimizer);
+            self.types_fixed += 1;
+        }
+    }
+}

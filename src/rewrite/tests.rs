@@ -1,0 +1,653 @@
+//! Tests of the rewrites: golden outputs for the reference loops in `tests/loops/`, refusals,
+//! idempotence, and a deterministic fuzz of the parser, the rewriter and the magic's flags.
+//!
+//! `UPDATE_GOLDEN=1 cargo test … rewrite` rewrites `tests/loops/rewritten/` from the current
+//! output; review the diff before committing it.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::magics::optimize::parse_args;
+
+fn loops_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/loops")
+}
+
+fn reference(name: &str) -> String {
+    let path = loops_dir().join(format!("{name}.rs"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+const LOOPS: [&str; 5] = ["mlp", "dropout", "struct_model", "epochs", "while_loop"];
+
+fn options(flags: &str) -> Options {
+    let args: Vec<&str> = flags.split_whitespace().collect();
+    parse_args(&args)
+        .unwrap_or_else(|e| panic!("{flags}: {e:?}"))
+        .options
+}
+
+fn rewrite_ok(src: &str, flags: &str) -> Rewritten {
+    rewrite_cell(src, &options(flags)).unwrap_or_else(|refusal| panic!("{flags}: {refusal}"))
+}
+
+fn refusal(src: &str, flags: &str) -> Refusal {
+    match rewrite_cell(src, &options(flags)) {
+        Ok(rewritten) => panic!("{flags}: expected a refusal, got\n{}", rewritten.code),
+        Err(refusal) => refusal,
+    }
+}
+
+/// Generated code must be Rust: it parses as a cell.
+fn assert_parses(code: &str, what: &str) {
+    if let Err(refusal) = cell::parse(code) {
+        panic!("{what}: the output does not parse: {refusal}\n{code}");
+    }
+}
+
+/// The rewrites checked against `tests/loops/rewritten/<loop>--<flags>.rs`.
+const GOLDEN: [(&str, &str); 24] = [
+    ("mlp", "--checkpoint"),
+    ("mlp", "--checkpoint 2"),
+    ("mlp", "--amp bf16"),
+    ("mlp", "--amp f16"),
+    ("mlp", "--accumulate 4"),
+    ("mlp", "--optimizer lion"),
+    ("mlp", "--amp f16 --accumulate 2"),
+    (
+        "mlp",
+        "--checkpoint --amp bf16 --accumulate 4 --optimizer adafactor",
+    ),
+    ("dropout", "--checkpoint 2"),
+    ("dropout", "--amp f16"),
+    ("dropout", "--accumulate 4"),
+    (
+        "dropout",
+        "--checkpoint --amp f16 --accumulate 2 --optimizer adamw8bit",
+    ),
+    ("struct_model", "--amp bf16"),
+    ("struct_model", "--optimizer sgd"),
+    ("struct_model", "--accumulate 2"),
+    ("struct_model", "--amp bf16 --accumulate 4 --optimizer lion"),
+    ("epochs", "--checkpoint"),
+    ("epochs", "--amp bf16"),
+    ("epochs", "--accumulate 4"),
+    (
+        "epochs",
+        "--checkpoint 3 --amp bf16 --accumulate 2 --optimizer adafactor",
+    ),
+    ("while_loop", "--amp f16"),
+    ("while_loop", "--accumulate 2"),
+    ("while_loop", "--optimizer adamw8bit"),
+    (
+        "while_loop",
+        "--checkpoint --amp f16 --accumulate 4 --optimizer sgd",
+    ),
+];
+
+/// `--checkpoint 3 --amp bf16` → `checkpoint-3-amp-bf16`.
+fn slug(flags: &str) -> String {
+    flags
+        .split_whitespace()
+        .map(|word| word.trim_start_matches('-'))
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// Compares `actual` with the golden file `name`, or writes it with UPDATE_GOLDEN=1.
+fn check_golden(name: &str, actual: &str, mismatches: &mut Vec<String>) {
+    let path = loops_dir().join("rewritten").join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_default();
+    if expected != actual {
+        let line = expected
+            .lines()
+            .zip(actual.lines())
+            .position(|(e, a)| e != a)
+            .unwrap_or(expected.lines().count().min(actual.lines().count()));
+        mismatches.push(format!(
+            "{name} differs from line {}: expected {:?}, got {:?}",
+            line + 1,
+            expected.lines().nth(line),
+            actual.lines().nth(line)
+        ));
+    }
+}
+
+/// The golden file's text: the changes as comments, then the code.
+fn golden_text(rewritten: &Rewritten) -> String {
+    let mut text = String::new();
+    for change in &rewritten.changes {
+        text.push_str(&format!("// change: {change}\n"));
+    }
+    text.push_str(&rewritten.code);
+    text
+}
+
+#[test]
+fn rewrite_golden_outputs_match() {
+    let mut mismatches = Vec::new();
+    for (name, flags) in GOLDEN {
+        let rewritten = rewrite_ok(&reference(name), flags);
+        assert_parses(&rewritten.code, &format!("{name} {flags}"));
+        check_golden(
+            &format!("{name}--{}.rs", slug(flags)),
+            &golden_text(&rewritten),
+            &mut mismatches,
+        );
+    }
+    for name in LOOPS {
+        let instrumented = instrument_for_compare(&reference(name))
+            .unwrap_or_else(|refusal| panic!("{name} --compare: {refusal}"));
+        assert_parses(&instrumented, name);
+        check_golden(
+            &format!("{name}--compare.rs"),
+            &instrumented,
+            &mut mismatches,
+        );
+    }
+    // A rewritten cell is instrumented too (--compare runs both).
+    for (name, flags) in [
+        (
+            "mlp",
+            "--checkpoint --amp bf16 --accumulate 4 --optimizer adafactor",
+        ),
+        ("dropout", "--amp f16"),
+        ("while_loop", "--amp f16 --accumulate 2"),
+    ] {
+        let rewritten = rewrite_ok(&reference(name), flags);
+        let instrumented = instrument_for_compare(&rewritten.code)
+            .unwrap_or_else(|refusal| panic!("{name} {flags} --compare: {refusal}"));
+        assert_parses(&instrumented, name);
+        check_golden(
+            &format!("{name}--{}--compare.rs", slug(flags)),
+            &instrumented,
+            &mut mismatches,
+        );
+    }
+    assert!(
+        mismatches.is_empty(),
+        "golden outputs differ (UPDATE_GOLDEN=1 rewrites them):\n{}",
+        mismatches.join("\n")
+    );
+}
+
+#[test]
+fn rewrite_is_deterministic_and_never_wraps_twice() {
+    for (name, flags) in GOLDEN {
+        let src = reference(name);
+        let first = rewrite_ok(&src, flags);
+        assert_eq!(first, rewrite_ok(&src, flags), "{name} {flags}");
+        // Rewriting the output again skips every rewrite that is already there.
+        match rewrite_cell(&first.code, &options(flags)) {
+            Ok(again) => {
+                assert!(
+                    again.changes.iter().all(|c| c.contains("skipped")),
+                    "{name} {flags}: rewritten twice: {:?}",
+                    again.changes
+                );
+                for call in ["autocast(", "accumulate :: split", "GradScaler :: new"] {
+                    let count = |code: &str| {
+                        let block = cell::parse(code).unwrap().block;
+                        quote::ToTokens::to_token_stream(&block)
+                            .to_string()
+                            .matches(call)
+                            .count()
+                    };
+                    assert_eq!(count(&first.code), count(&again.code), "{name} {flags}");
+                }
+            }
+            Err(refusal) => assert!(
+                refusal.message.contains("already"),
+                "{name} {flags}: {refusal}"
+            ),
+        }
+    }
+}
+
+#[test]
+fn rewrite_keeps_comments_outside_changed_statements() {
+    let rewritten = rewrite_ok(&reference("mlp"), "--amp bf16");
+    assert!(rewritten
+        .code
+        .contains("// A three-layer perceptron on random data."));
+    // The loop's own comment was inside the changed statement.
+    assert!(
+        rewritten.code.contains("were dropped"),
+        "{}",
+        rewritten.code
+    );
+    assert!(rewritten
+        .code
+        .starts_with("// %%optimize --amp bf16: rewritten by tchmem\n"));
+    let untouched = rewrite_ok(&reference("mlp"), "--optimizer sgd");
+    assert!(
+        !untouched.code.contains("were dropped"),
+        "{}",
+        untouched.code
+    );
+    assert!(untouched.code.contains("// zero_grad, backward, step"));
+}
+
+#[test]
+fn rewrite_checkpoint_refuses_models_it_cannot_see() {
+    let refused = refusal(&reference("struct_model"), "--checkpoint");
+    assert!(
+        refused
+            .message
+            .contains("looks for a model built with nn::seq() or nn::seq_t()"),
+        "{refused}"
+    );
+    assert!(
+        refused.message.contains("`Net` implements Module"),
+        "{refused}"
+    );
+    assert_eq!(refused.line, Some(48), "{refused}");
+    // A model from another cell.
+    let src = "for (xs, ys) in batches.iter() {\n    let loss = model.forward(xs).mse_loss(ys, \
+               tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--checkpoint");
+    assert_eq!(refused.line, Some(2));
+    assert!(
+        refused
+            .to_string()
+            .starts_with("line 2: --checkpoint looks for"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn rewrite_refusals_name_the_missing_pattern_and_line() {
+    // No training step.
+    let refused = refusal("let x = 1;\nprintln!(\"{x}\");\n", "--amp bf16");
+    assert!(
+        refused.message.contains("opt.backward_step(&loss)"),
+        "{refused}"
+    );
+    // No optimizer built in the cell.
+    let src = "for (xs, ys) in batches.iter() {\n    let loss = model.forward(xs).mse_loss(ys, \
+               tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--optimizer lion");
+    assert!(
+        refused
+            .message
+            .contains("nn::Adam::default().build(&vs, lr)"),
+        "{refused}"
+    );
+    assert_eq!(refused.line, Some(3));
+    // f16 needs the optimizer to create the scaler next to it.
+    let refused = refusal(src, "--amp f16");
+    assert!(refused.message.contains("GradScaler"), "{refused}");
+    assert_eq!(refused.line, Some(3));
+    // bf16 needs nothing else.
+    let rewritten = rewrite_ok(src, "--amp bf16");
+    assert!(
+        rewritten.code.contains("tchmem::amp::autocast("),
+        "{}",
+        rewritten.code
+    );
+    assert!(
+        rewritten.code.contains("tch::Kind::BFloat16"),
+        "{}",
+        rewritten.code
+    );
+    // Two training loops.
+    let twice = format!("{src}{src}");
+    let refused = refusal(&twice, "--accumulate 2");
+    assert!(
+        refused.message.contains("2 training steps (lines 3, 7)"),
+        "{refused}"
+    );
+    assert_eq!(refused.line, Some(7));
+    // The loss bound outside the step's block.
+    let src = "let loss = model.forward(&xs).mean(None);\nfor _ in 0..3 {\n    \
+               opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--amp bf16");
+    assert!(refused.message.contains("`let loss = …;`"), "{refused}");
+    assert_eq!(refused.line, Some(3));
+    // `?` would move into the autocast closure.
+    let src = "for (xs, ys) in batches.iter() {\n    let out = model.forward(xs);\n    let loss \
+               = out.f_mse_loss(ys, tch::Reduction::Mean)?;\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--amp bf16");
+    assert!(refused.message.contains("`?`"), "{refused}");
+    assert_eq!(refused.line, Some(3));
+    // ... which a micro-batch loop does not mind.
+    rewrite_ok(src, "--accumulate 2");
+    // A value of the forward pass used after the loss.
+    let src = "for (xs, ys) in batches.iter() {\n    let logits = model.forward(xs);\n    let \
+               loss = logits.cross_entropy_for_logits(ys);\n    opt.backward_step(&loss);\n    \
+               let acc = logits.accuracy_for_logits(ys);\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(refused.message.contains("`logits`"), "{refused}");
+    assert_eq!(refused.line, Some(5));
+    // ... which mixed precision keeps available.
+    let rewritten = rewrite_ok(src, "--amp bf16");
+    assert!(
+        rewritten
+            .code
+            .contains("let (logits, loss) = tchmem::amp::autocast"),
+        "{}",
+        rewritten.code
+    );
+    // Updates of outer variables would run once per micro-batch.
+    let src = "for (xs, ys) in batches.iter() {\n    let out = model.forward(xs);\n    seen += \
+               1;\n    let loss = out.mse_loss(ys, tch::Reduction::Mean);\n    \
+               opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(refused.message.contains("`seen`"), "{refused}");
+    assert_eq!(refused.line, Some(3));
+    // A sum loss would be weighted wrongly.
+    let src = "for (xs, ys) in batches.iter() {\n    let loss = model.forward(xs).mse_loss(ys, \
+               tch::Reduction::Sum);\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(refused.message.contains("Reduction::Sum"), "{refused}");
+    // No batch tensors: the forward pass uses the whole data set.
+    let src = "for epoch in 0..10 {\n    let loss = model.forward(&train_x).mse_loss(&train_y, \
+               tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(refused.message.contains("batch tensors"), "{refused}");
+    assert_eq!(refused.line, Some(2));
+    // A batch struct, not tensors.
+    let src = "for batch in loader {\n    let loss = model.forward(&batch.images).mse_loss(\
+               &batch.labels, tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(
+        refused.message.contains("batch is used through a field"),
+        "{refused}"
+    );
+    // Split steps without zero_grad.
+    let src =
+        "for (xs, ys) in batches.iter() {\n    let loss = model.forward(xs).mean(None);\n    \
+               loss.backward();\n    opt.step();\n}\n";
+    let refused = refusal(src, "--accumulate 2");
+    assert!(refused.message.contains("`opt.zero_grad()`"), "{refused}");
+    assert_eq!(refused.line, Some(4));
+    // f16 and clipping.
+    let refused = refusal(&reference("epochs"), "--amp f16");
+    assert!(refused.message.contains("backward_step_clip"), "{refused}");
+    assert_eq!(refused.line, Some(35));
+    // An optimizer method tchmem's optimizers lack.
+    let src = format!("{}\nopt.set_momentum(0.5);\n", reference("mlp"));
+    let refused = refusal(&src, "--optimizer lion");
+    assert!(refused.message.contains("opt.set_momentum"), "{refused}");
+    assert_eq!(refused.line, Some(29));
+    // Not Rust; the line moves with the body's place in the cell.
+    let refused = refusal("let x = ;\n", "--amp bf16");
+    assert_eq!(refused.line, Some(1));
+    assert_eq!(
+        refused.clone().shifted(1).to_string().get(..7),
+        Some("line 2:")
+    );
+    assert!(
+        refused.message.contains("could not read the cell"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn rewrite_compare_refusals_and_forms() {
+    let no_loop = "let loss = model.forward(&xs).mean(None);\nopt.backward_step(&loss);\n";
+    let refused = instrument_for_compare(no_loop).unwrap_err();
+    assert!(
+        refused.message.contains("`for`, `while` or `loop`"),
+        "{refused}"
+    );
+    assert_eq!(refused.line, Some(2));
+    // `loop` with a label of its own, and a loss moved after the step.
+    let src = "'outer: loop {\n    let loss = model.forward(&xs).mean(None);\n    \
+               opt.backward_step(&loss);\n    losses.push(loss);\n}\n";
+    let instrumented = instrument_for_compare(src).unwrap();
+    assert!(
+        instrumented.contains(
+            "opt.backward_step(&loss);\n    if tchmem::compare::record_step(&loss) {\n        \
+             break 'outer;"
+        ),
+        "{instrumented}"
+    );
+    assert!(instrument_for_compare(&instrumented).is_err());
+}
+
+#[test]
+fn rewrite_inline_loss_is_bound_first() {
+    let src = "for (xs, ys) in batches.iter() {\n    \
+               opt.backward_step(&model.forward(xs).mse_loss(ys, tch::Reduction::Mean));\n}\n";
+    let rewritten = rewrite_ok(src, "--accumulate 2");
+    assert!(
+        rewritten.code.contains("let loss = {"),
+        "{}",
+        rewritten.code
+    );
+    assert_parses(&rewritten.code, "inline loss");
+    let instrumented = instrument_for_compare(src).unwrap();
+    assert!(
+        instrumented
+            .contains("opt.backward_step(&loss);\n    if tchmem::compare::record_step(&loss)"),
+        "{instrumented}"
+    );
+}
+
+#[test]
+fn rewrite_accumulate_splits_only_the_batch() {
+    let src =
+        "for (xs, ys) in batches.iter() {\n    let mask = Tensor::ones([8, 8], (Kind::Float, \
+               Device::Cpu));\n    let n = xs.size()[0];\n    let xs = xs.to_device(device);\n    \
+               let out = model.forward(&xs) * &mask;\n    opt.zero_grad();\n    let loss = \
+               out.mse_loss(ys, tch::Reduction::Mean);\n    loss.backward();\n    opt.step();\n}\n";
+    let rewritten = rewrite_ok(src, "--accumulate 2");
+    let code = &rewritten.code;
+    assert!(code.contains("split(2, [&xs, &ys])"), "{code}");
+    assert_eq!(code.matches("opt.zero_grad()").count(), 1, "{code}");
+    assert!(!code.contains("loss.backward()"), "{code}");
+    assert!(code.contains("opt.step();"), "{code}");
+    assert_parses(code, "split batch");
+}
+
+#[test]
+fn rewrite_generated_names_avoid_the_cells() {
+    let src = "let weight = 1.0;\nlet grad_scaler = 2;\nlet mut opt = \
+               nn::Adam::default().build(&vs, 1e-3)?;\nfor (xs, ys) in batches.iter() {\n    let \
+               loss = model.forward(xs).mse_loss(ys, tch::Reduction::Mean);\n    \
+               opt.backward_step(&loss);\n}\n";
+    let rewritten = rewrite_ok(src, "--amp f16 --accumulate 2");
+    assert!(
+        rewritten.code.contains("tchmem_weight"),
+        "{}",
+        rewritten.code
+    );
+    assert!(
+        rewritten.code.contains("let mut tchmem_grad_scaler"),
+        "{}",
+        rewritten.code
+    );
+}
+
+/// A small deterministic generator (xorshift64*), so the fuzz test needs no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Splits source into tokens (identifier runs, whitespace runs, single other characters).
+fn tokens(src: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for c in src.chars() {
+        let word = c.is_alphanumeric() || c == '_';
+        match out.last_mut() {
+            Some(last) if word && last.chars().all(|d| d.is_alphanumeric() || d == '_') => {
+                last.push(c)
+            }
+            Some(last) if c.is_whitespace() && last.chars().all(char::is_whitespace) => {
+                last.push(c)
+            }
+            _ => out.push(c.to_string()),
+        }
+    }
+    out
+}
+
+/// Deletes, duplicates or swaps tokens, characters or lines.
+fn mutate(src: &str, rng: &mut Rng) -> String {
+    let mut units: Vec<String> = match rng.below(3) {
+        0 => tokens(src),
+        1 => src.chars().map(String::from).collect(),
+        _ => src.split_inclusive('\n').map(String::from).collect(),
+    };
+    for _ in 0..1 + rng.below(3) {
+        if units.is_empty() {
+            break;
+        }
+        let i = rng.below(units.len());
+        match rng.below(3) {
+            0 => {
+                units.remove(i);
+            }
+            1 => {
+                let copy = units[i].clone();
+                units.insert(rng.below(units.len() + 1), copy);
+            }
+            _ => {
+                let j = rng.below(units.len());
+                units.swap(i, j);
+            }
+        }
+    }
+    units.concat()
+}
+
+const FLAG_SETS: [&str; 8] = [
+    "--checkpoint",
+    "--amp bf16",
+    "--amp f16",
+    "--accumulate 3",
+    "--optimizer lion",
+    "--checkpoint 2 --amp f16 --accumulate 2 --optimizer adafactor",
+    "--amp bf16 --accumulate 4",
+    "--optimizer sgd --amp f16",
+];
+
+#[test]
+fn rewrite_fuzzed_cells_never_panic() {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let started = std::time::Instant::now();
+    let mut rewritten = 0;
+    for name in LOOPS {
+        let src = reference(name);
+        for _ in 0..600 {
+            let mutated = mutate(&src, &mut rng);
+            let flags = FLAG_SETS[rng.below(FLAG_SETS.len())];
+            if let Ok(out) = rewrite_cell(&mutated, &options(flags)) {
+                assert_parses(&out.code, &format!("{flags} on\n{mutated}"));
+                rewritten += 1;
+                // Rewriting and instrumenting the output must not panic either.
+                let again = FLAG_SETS[rng.below(FLAG_SETS.len())];
+                let _ = rewrite_cell(&out.code, &options(again));
+                if let Ok(instrumented) = compare::instrument(&out.code) {
+                    assert_parses(&instrumented, &format!("--compare on\n{}", out.code));
+                }
+            }
+            if let Ok(out) = compare::instrument(&mutated) {
+                assert_parses(&out, &format!("--compare on\n{mutated}"));
+            }
+        }
+    }
+    // Some mutations keep the loop rewritable, so the rewriter itself is fuzzed too.
+    assert!(
+        rewritten > 100,
+        "only {rewritten} mutated cells were rewritten"
+    );
+    assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+}
+
+#[test]
+fn rewrite_fuzzed_flags_never_panic() {
+    const WORDS: [&str; 24] = [
+        "--checkpoint",
+        "--amp",
+        "bf16",
+        "f16",
+        "fp8",
+        "--accumulate",
+        "--optimizer",
+        "sgd",
+        "lion",
+        "adamw8bit",
+        "adafactor",
+        "adam",
+        "--show",
+        "--compare",
+        "0",
+        "1",
+        "4",
+        "-1",
+        "99999999999",
+        "--",
+        "-",
+        "--checkpoint=2",
+        "é\u{0}",
+        "--amp=bf16",
+    ];
+    let mut rng = Rng(42);
+    for _ in 0..3000 {
+        let words: Vec<&str> = (0..rng.below(7))
+            .map(|_| WORDS[rng.below(WORDS.len())])
+            .collect();
+        let _ = parse_args(&words);
+        let cell = format!("%%optimize {}\nlet x = 1;\n", words.join(" "));
+        if let Some(source) = crate::magics::cell_magic(&cell) {
+            let _ = crate::magics::parse_cell(&source);
+        }
+    }
+}
+
+#[test]
+fn rewrite_isolated_entry_points_survive_bad_input() {
+    let deep = format!("let x = {}1{};", "(".repeat(5000), ")".repeat(5000));
+    assert!(rewrite(&deep, &options("--amp bf16")).is_err());
+    assert!(instrument_for_compare("fn (").is_err());
+    assert!(rewrite("", &options("--amp bf16")).is_err());
+    let ok = rewrite(&reference("mlp"), &options("--amp bf16")).unwrap();
+    assert_eq!(
+        ok,
+        rewrite_cell(&reference("mlp"), &options("--amp bf16")).unwrap()
+    );
+}
+
+/// Long flat expressions parse into trees as deep as they are long: up to the limit they are
+/// read, beyond it refused, and neither overflows the rewriter's stack.
+#[test]
+fn rewrite_deep_expressions_do_not_overflow() {
+    for unit in ["a + ", "- ", "! ", "& "] {
+        for (count, accepted) in [
+            (4000 / unit.split_whitespace().count(), true),
+            (300_000, false),
+        ] {
+            let src = format!(
+                "for (xs, ys) in b.iter() {{\n    let loss = {}xs;\n    opt.backward_step(&loss);\n}}\n",
+                unit.repeat(count)
+            );
+            let result = rewrite(&src, &options("--amp bf16"));
+            assert_eq!(
+                result.is_ok(),
+                accepted,
+                "{unit:?} × {count}: {:?}",
+                result.err()
+            );
+            assert_eq!(instrument_for_compare(&src).is_ok(), accepted);
+        }
+    }
+    let chain = format!("let x = a{};\n", ".f()".repeat(200_000));
+    let refused = rewrite(&chain, &options("--amp bf16")).unwrap_err();
+    assert!(refused.message.contains("tokens"), "{refused}");
+}

@@ -1,0 +1,418 @@
+//! Mixed precision and micro-batching: both rewrite the training step's block, from the forward
+//! call to the optimizer step, so they are planned and applied together.
+
+use proc_macro2::Ident;
+use quote::quote;
+use syn::{Block, Stmt};
+
+use super::accumulate::{self, Generated};
+use super::amp;
+use super::optimizer::builds;
+use super::span::{escaping_control_flow, has_path, used_later, ForwardSpan};
+use super::step::{self, Clip, Form, Loss, Step};
+use super::syntax::{stmts, stmts_mention, Binding, Names};
+use super::tree::{edit_block, Tree};
+use super::{Amp, Refusal};
+
+/// Applies `--amp` and/or `--accumulate` to the cell's training step.
+pub(crate) fn apply(
+    block: &mut Block,
+    amp: Option<Amp>,
+    accumulate: Option<u32>,
+    names: &mut Names,
+    changes: &mut Vec<String>,
+) -> Result<(), Refusal> {
+    let flag = match (amp, accumulate) {
+        (Some(_), Some(_)) => "--amp with --accumulate",
+        (Some(_), None) => "--amp",
+        _ => "--accumulate",
+    };
+    let step = find_step(block, flag)?;
+    if let Loss::Inline(expr) = &step.loss {
+        hoist_loss(block, &step, (**expr).clone(), names, changes)?;
+    }
+    let step = find_step(block, flag)?;
+    let f16 = amp == Some(Amp::F16);
+
+    // Checks on the step's form, before anything changes.
+    match (&step.form, f16) {
+        (Form::Combined { clip: Some(_) }, true) => {
+            return Err(Refusal::at(
+                step.line,
+                "--amp f16 rewrites `backward_step(&loss)` into a GradScaler step, which does \
+                 not clip gradients; with backward_step_clip/backward_step_clip_norm use \
+                 --amp bf16 (no scaler needed)",
+            ));
+        }
+        (Form::Split { backward, .. }, true) => {
+            let tree = Tree::of(block);
+            let stmts = &tree.blocks[step.block].block.stmts;
+            if let Some(other) =
+                (backward + 1..step.index).find(|&i| !is_zero_grad(&stmts[i], &step))
+            {
+                return Err(Refusal::at(
+                    super::cell::line_of(syn::spanned::Spanned::span(&stmts[other])),
+                    format!(
+                        "--amp f16 replaces `loss.backward()` … `{}.step()` with one GradScaler \
+                         step, and this statement between them would see scaled gradients \
+                         (gradient clipping needs unscaled ones); use --amp bf16, which needs \
+                         no scaler",
+                        step.opt
+                    ),
+                ));
+            }
+        }
+        _ => {}
+    }
+    if let Form::Split {
+        zero_grad: None, ..
+    } = step.form
+    {
+        if f16 || accumulate.is_some() {
+            return Err(Refusal::at(
+                step.line,
+                format!(
+                    "{flag} looks for `{0}.zero_grad()` in the same block as `{0}.step()`; \
+                     found none, so gradients add up across steps, which this rewrite cannot \
+                     keep. Add `{0}.zero_grad();` before the backward pass.",
+                    step.opt
+                ),
+            ));
+        }
+    }
+
+    // f16: the grad scaler, created right after the optimizer.
+    let scaler = if f16 {
+        let scaler = names.fresh("grad_scaler");
+        add_scaler(block, &step, &scaler, changes)?;
+        Some(scaler)
+    } else {
+        None
+    };
+    let step = find_step(block, flag)?;
+
+    let tree = Tree::of(block);
+    let info = &tree.blocks[step.block];
+    let span = ForwardSpan::find(info.block, &step, flag)?;
+    let stmts_now = &info.block.stmts;
+    let span_stmts = &stmts_now[span.start..=span.end];
+    if let Some((what, line)) = escaping_control_flow(span_stmts, amp.is_some()) {
+        let into = if amp.is_some() {
+            "a closure (tchmem::amp::autocast)"
+        } else {
+            "a loop over micro-batches"
+        };
+        return Err(Refusal::at(
+            line,
+            format!(
+                "{flag} moves the forward pass and loss ({}) into {into}, and {what} there \
+                 would then leave it instead of the original code; move it out of those lines",
+                span.describe_lines()
+            ),
+        ));
+    }
+    if amp.is_some() {
+        if let Some(by_ref) = span.bound.iter().find(|b| b.by_ref) {
+            return Err(Refusal::at(
+                span.lines.0,
+                format!(
+                    "--amp: `ref {}` in the forward pass and loss ({}) would borrow from inside \
+                     the autocast closure; bind it by value",
+                    by_ref.ident,
+                    span.describe_lines()
+                ),
+            ));
+        }
+    }
+    let later = &stmts_now[span.end + 1..];
+    let micro = match accumulate {
+        Some(k) => Some((k, plan_micro_batches(&tree, &step, &span, later)?)),
+        None => None,
+    };
+
+    let restructure = f16 || accumulate.is_some();
+    let (backward, zero_grad) = match step.form {
+        Form::Split {
+            backward,
+            zero_grad,
+        } => (Some(backward), zero_grad),
+        _ => (None, None),
+    };
+
+    // The span, under autocast if asked; returning what later statements use. A `zero_grad`
+    // inside it is the scaler's or the micro-batch loop's job now.
+    let mut body: Vec<Stmt> = (span.start..=span.end)
+        .filter(|&i| !(restructure && Some(i) == zero_grad))
+        .map(|i| stmts_now[i].clone())
+        .collect();
+    if let Some(amp) = amp {
+        let returned: Vec<Binding> = if micro.is_some() {
+            vec![span.loss.clone()]
+        } else {
+            span.bound
+                .iter()
+                .filter(|b| {
+                    b.ident == span.loss.ident || stmts_mention(later, &b.ident.to_string())
+                })
+                .cloned()
+                .collect()
+        };
+        body = vec![amp::autocast(amp, &body, &returned)?];
+        changes.push(format!(
+            "{}: --amp {}: the forward pass and loss run under tchmem::amp::autocast({}): \
+             matmuls and convolutions compute in {}, so their activations take half the memory; \
+             parameters, gradients and optimizer state stay f32",
+            span.describe_lines(),
+            if f16 { "f16" } else { "bf16" },
+            if f16 { "Half" } else { "BFloat16" },
+            if f16 { "f16" } else { "bf16" },
+        ));
+    }
+    let mut replacement = body;
+    if let Some((k, batch)) = &micro {
+        let generated = Generated::new(names);
+        replacement = accumulate::micro_batches(
+            *k,
+            batch,
+            &replacement,
+            &span,
+            &step.opt,
+            scaler.as_ref(),
+            &generated,
+        )?;
+        let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
+        changes.push(format!(
+            "{}: --accumulate {k}: the batch ({}) runs as {k} micro-batches \
+             (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by \
+             its share of the batch, so the gradients add up to the whole batch's, and the \
+             optimizer steps once per batch; `{}` is the whole batch's loss, as before",
+            span.describe_lines(),
+            batch_names.join(", "),
+            span.loss.ident,
+        ));
+        let text = quote::ToTokens::to_token_stream(&*block).to_string();
+        if text.contains("batch_norm") {
+            changes.push(
+                "note: batch-norm layers normalise over each micro-batch, not the whole batch, \
+                 so their statistics (and outputs) change"
+                    .to_string(),
+            );
+        }
+    }
+
+    let step_replacement = step_stmts(&step, accumulate.is_some(), scaler.as_ref())?;
+    if let Some(scaler) = &scaler {
+        if accumulate.is_none() {
+            changes.push(format!(
+                "line {}: --amp f16: {scaler}.backward_step(&mut {}, &{}) replaces the step: \
+                 it scales the loss so that f16 gradients do not underflow, unscales them, and \
+                 skips the step when they overflow",
+                step.line, step.opt, span.loss.ident
+            ));
+        } else {
+            changes.push(format!(
+                "line {}: --amp f16: {scaler}.step(&mut {}) replaces the step: it unscales the \
+                 accumulated gradients and skips the step when they overflow",
+                step.line, step.opt
+            ));
+        }
+    }
+
+    // Assemble the block's new statements.
+    let mut new_stmts = Vec::with_capacity(stmts_now.len() + 4);
+    for (i, stmt) in stmts_now.iter().enumerate() {
+        if i == span.start {
+            new_stmts.extend(replacement.iter().cloned());
+        } else if (span.start..=span.end).contains(&i) {
+            // Replaced above.
+        } else if restructure && (Some(i) == backward || Some(i) == zero_grad) {
+            // The scaler's or the micro-batch loop's job now.
+        } else if i == step.index {
+            match &step_replacement {
+                Some(replacement) => new_stmts.extend(replacement.iter().cloned()),
+                None => new_stmts.push(stmt.clone()),
+            }
+        } else {
+            new_stmts.push(stmt.clone());
+        }
+    }
+    let target: *const Block = info.block;
+    drop(tree);
+    edit_block(block, target, |b| b.stmts = new_stmts);
+    Ok(())
+}
+
+fn find_step(block: &Block, flag: &str) -> Result<Step, Refusal> {
+    let tree = Tree::of(block);
+    let step = step::the_step(&tree, flag)?;
+    if let Form::Rewritten = step.form {
+        return Err(Refusal::at(
+            step.line,
+            format!(
+                "{flag}: the training step was already rewritten by tchmem; rewrite the \
+                 original cell, with all the flags you want at once"
+            ),
+        ));
+    }
+    Ok(step)
+}
+
+fn is_zero_grad(stmt: &Stmt, step: &Step) -> bool {
+    step::method_call(stmt).is_some_and(|call| {
+        call.method == "zero_grad" && super::syntax::as_ident(&call.receiver) == Some(&step.opt)
+    })
+}
+
+/// `opt.backward_step(&<expr>)` → `let loss = <expr>; opt.backward_step(&loss);`, so that the
+/// loss's computation is a statement the rewrites can wrap.
+pub(crate) fn hoist_loss(
+    block: &mut Block,
+    step: &Step,
+    expr: syn::Expr,
+    names: &mut Names,
+    changes: &mut Vec<String>,
+) -> Result<(), Refusal> {
+    let loss = names.fresh("loss");
+    let binding = stmts(quote!(let #loss = #expr;))?;
+    let tree = Tree::of(block);
+    let target: *const Block = tree.blocks[step.block].block;
+    drop(tree);
+    let index = step.index;
+    edit_block(block, target, |b| {
+        if let Some(Stmt::Expr(syn::Expr::MethodCall(call), _)) = b.stmts.get_mut(index) {
+            if let Some(arg) = call.args.first_mut() {
+                *arg = syn::parse_quote!(&#loss);
+            }
+        }
+        b.stmts.splice(index..index, binding);
+    });
+    changes.push(format!(
+        "line {}: the loss passed to {}.backward_step(…) is bound first (`let {loss} = …;`), \
+         so that the rewrites can wrap its computation",
+        step.line, step.opt
+    ));
+    Ok(())
+}
+
+/// Inserts `let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);` after the optimizer the
+/// step uses is built.
+fn add_scaler(
+    block: &mut Block,
+    step: &Step,
+    scaler: &Ident,
+    changes: &mut Vec<String>,
+) -> Result<(), Refusal> {
+    let tree = Tree::of(block);
+    let site = builds(&tree).into_iter().rev().find(|b| {
+        b.binding.as_ref() == Some(&step.opt)
+            && tree.sees(step.block, b.block)
+            && (b.block != step.block || b.index < step.index)
+    });
+    let Some(site) = site else {
+        return Err(Refusal::at(
+            step.line,
+            format!(
+                "--amp f16 looks for the optimizer `{0}` built in this cell (`let mut {0} = \
+                 nn::Adam::default().build(&vs, lr)?;` or similar, in scope at the training \
+                 step) to create the GradScaler next to it; found none. Build the optimizer in \
+                 this cell, or use --amp bf16, which needs no scaler.",
+                step.opt
+            ),
+        ));
+    };
+    let created = amp::scaler(scaler, &site.vs)?;
+    let target: *const Block = tree.blocks[site.block].block;
+    let at = site.index + 1;
+    drop(tree);
+    edit_block(block, target, |b| {
+        b.stmts.splice(at..at, created);
+    });
+    changes.push(format!(
+        "line {}: --amp f16: a tchmem::amp::GradScaler (`{scaler}`) is created after the \
+         optimizer `{}`",
+        site.line, step.opt
+    ));
+    Ok(())
+}
+
+/// The batch tensors to split, after checking that micro-batching keeps the loop's meaning.
+fn plan_micro_batches(
+    tree: &Tree,
+    step: &Step,
+    span: &ForwardSpan,
+    later: &[Stmt],
+) -> Result<Vec<Ident>, Refusal> {
+    let stmts = &tree.blocks[step.block].block.stmts[span.start..=span.end];
+    if let Some((what, line)) = accumulate::builds_model(stmts) {
+        return Err(Refusal::at(
+            line,
+            format!(
+                "--accumulate would repeat the forward pass and loss ({}) once per \
+                 micro-batch, and they build model parts ({what}); build the model before the \
+                 training loop",
+                span.describe_lines()
+            ),
+        ));
+    }
+    if let Some((variable, line)) = accumulate::outer_assignment(stmts) {
+        return Err(Refusal::at(
+            line,
+            format!(
+                "--accumulate repeats the forward pass and loss ({}) once per micro-batch, \
+                 and this line updates `{variable}`, which they do not bind: it would run once \
+                 per micro-batch instead of once per batch. Move it after the training step.",
+                span.describe_lines(),
+            ),
+        ));
+    }
+    if has_path(stmts, "Reduction", "Sum") {
+        return Err(Refusal::at(
+            span.lines.1,
+            "--accumulate weights each micro-batch's loss by its share of the batch, which is \
+             right for a mean loss; this loss uses Reduction::Sum. Use Reduction::Mean, or \
+             accumulate by hand.",
+        ));
+    }
+    let used = used_later(&span.bound, later, &span.loss.ident);
+    if let Some((name, line)) = used.first() {
+        return Err(Refusal::at(
+            *line,
+            format!(
+                "--accumulate: `{name}` is bound by the forward pass and loss ({}) and used \
+                 after the loss; with micro-batches it would hold only the last micro-batch's \
+                 value. Compute it from the whole batch after the step (or drop that use).",
+                span.describe_lines()
+            ),
+        ));
+    }
+    accumulate::batch_tensors(tree, step.block, span)
+}
+
+/// What replaces the step statement when the step is restructured (`None`: keep it).
+fn step_stmts(
+    step: &Step,
+    accumulating: bool,
+    scaler: Option<&Ident>,
+) -> Result<Option<Vec<Stmt>>, Refusal> {
+    let opt = &step.opt;
+    let tokens = match (accumulating, scaler) {
+        (false, None) => return Ok(None),
+        (false, Some(scaler)) => {
+            let Loss::Var(loss) = &step.loss else {
+                return Ok(None);
+            };
+            quote!(#scaler.backward_step(&mut #opt, &#loss);)
+        }
+        (true, Some(scaler)) => quote!(#scaler.step(&mut #opt);),
+        (true, None) => match &step.form {
+            Form::Combined {
+                clip: Some(Clip::Value(max)),
+            } => quote!(#opt.clip_grad_value(#max); #opt.step();),
+            Form::Combined {
+                clip: Some(Clip::Norm(max)),
+            } => quote!(#opt.clip_grad_norm(#max); #opt.step();),
+            _ => quote!(#opt.step();),
+        },
+    };
+    stmts(tokens).map(Some)
+}

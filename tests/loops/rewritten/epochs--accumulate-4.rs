@@ -1,0 +1,62 @@
+// change: lines 32–34: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// %%optimize --accumulate 4: rewritten by tchmem
+use tch::nn::{Module, OptimizerConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+let device = Device::cuda_if_available();
+let vs = nn::VarStore::new(device);
+let root = vs.root();
+let mut model = nn::seq();
+for i in 0..6 {
+    model = model
+        .add(nn::linear(&root / format!("layer{i}"), 256, 256, Default::default()))
+        .add_fn(|xs| xs.relu());
+}
+let head = nn::linear(&root / "head", 256, 4, Default::default());
+let mut opt = nn::Sgd {
+    momentum: 0.9,
+    ..Default::default()
+}
+.build(&vs, 0.01)?;
+
+// Batches kept on the CPU, moved to the device one at a time.
+let batches: Vec<(Tensor, Tensor)> = (0..16)
+    .map(|_| {
+        let xs = Tensor::randn([512, 256], (Kind::Float, Device::Cpu));
+        let ys = Tensor::randint(4, [512], (Kind::Int64, Device::Cpu));
+        (xs, ys)
+    })
+    .collect();
+for epoch in 0..3 {
+    for (i, (xs, ys)) in batches.iter().enumerate() {
+        let xs = xs.to_device(device);
+        let ys = ys.to_device(device);
+        opt.zero_grad();
+        let loss = {
+            let mut accumulated: Option<tch::Tensor> = None;
+            for (weight, [ref xs, ref ys]) in tchmem::accumulate::split(
+                4,
+                [&xs, &ys],
+            ) {
+                let features = model.forward(&xs);
+                let logits = head.forward(&features);
+                let loss = logits.cross_entropy_for_logits(&ys);
+                let scaled = &loss * weight;
+                scaled.backward();
+                let part = scaled.detach();
+                accumulated = Some(
+                    match accumulated {
+                        Some(sum) => sum + part,
+                        None => part,
+                    },
+                );
+            }
+            accumulated.expect("an empty batch")
+        };
+        opt.clip_grad_norm(1.0);
+        opt.step();
+        if i % 8 == 0 {
+            println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
+        }
+    }
+}

@@ -1,0 +1,67 @@
+// change: line 18: --optimizer adafactor: nn::Sgd → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); the settings given to nn::Sgd are not carried over: tchmem::optim::Adafactor's defaults apply; same learning rate
+// change: line 7: --checkpoint: nn::seq() → tchmem::checkpoint::seq() (3 segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: lines 32–34: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: lines 32–34: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// %%optimize --checkpoint 3 --amp bf16 --accumulate 2 --optimizer adafactor: rewritten by tchmem
+use tch::nn::{Module, OptimizerConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+let device = Device::cuda_if_available();
+let vs = nn::VarStore::new(device);
+let root = vs.root();
+let mut model = tchmem::checkpoint::seq().segments(3);
+for i in 0..6 {
+    model = model
+        .add(nn::linear(&root / format!("layer{i}"), 256, 256, Default::default()))
+        .add_fn(|xs| xs.relu());
+}
+let head = nn::linear(&root / "head", 256, 4, Default::default());
+let mut opt = tchmem::optim::Adafactor::default().build(&vs, 0.01)?;
+
+// Batches kept on the CPU, moved to the device one at a time.
+let batches: Vec<(Tensor, Tensor)> = (0..16)
+    .map(|_| {
+        let xs = Tensor::randn([512, 256], (Kind::Float, Device::Cpu));
+        let ys = Tensor::randint(4, [512], (Kind::Int64, Device::Cpu));
+        (xs, ys)
+    })
+    .collect();
+for epoch in 0..3 {
+    for (i, (xs, ys)) in batches.iter().enumerate() {
+        let xs = xs.to_device(device);
+        let ys = ys.to_device(device);
+        opt.zero_grad();
+        let loss = {
+            let mut accumulated: Option<tch::Tensor> = None;
+            for (weight, [ref xs, ref ys]) in tchmem::accumulate::split(
+                2,
+                [&xs, &ys],
+            ) {
+                let loss = tchmem::amp::autocast(
+                    tch::Kind::BFloat16,
+                    || {
+                        let features = model.forward(&xs);
+                        let logits = head.forward(&features);
+                        let loss = logits.cross_entropy_for_logits(&ys);
+                        loss
+                    },
+                );
+                let scaled = &loss * weight;
+                scaled.backward();
+                let part = scaled.detach();
+                accumulated = Some(
+                    match accumulated {
+                        Some(sum) => sum + part,
+                        None => part,
+                    },
+                );
+            }
+            accumulated.expect("an empty batch")
+        };
+        opt.clip_grad_norm(1.0);
+        opt.step();
+        if i % 8 == 0 {
+            println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
+        }
+    }
+}

@@ -1,0 +1,39 @@
+// change: line 14: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
+// change: lines 21–22: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: line 23: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
+// %%optimize --amp f16: rewritten by tchmem
+// Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
+use tch::nn::{Module, OptimizerConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+let device = Device::cuda_if_available();
+let vs = nn::VarStore::new(device);
+let root = vs.root();
+// A three-layer perceptron on random data.
+let model = nn::seq()
+    .add(nn::linear(&root / "l1", 784, 1024, Default::default()))
+    .add_fn(|xs| xs.relu())
+    .add(nn::linear(&root / "l2", 1024, 1024, Default::default()))
+    .add_fn(|xs| xs.relu())
+    .add(nn::linear(&root / "l3", 1024, 10, Default::default()));
+let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
+let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
+
+let images = Tensor::randn([8192, 784], (Kind::Float, device));
+let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
+for epoch in 1..=5 {
+    let mut total = 0.0;
+    for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
+        let loss = tchmem::amp::autocast(
+            tch::Kind::Half,
+            || {
+                let logits = model.forward(xs);
+                let loss = logits.cross_entropy_for_logits(ys);
+                loss
+            },
+        );
+        grad_scaler.backward_step(&mut opt, &loss);
+        total += loss.double_value(&[]);
+    }
+    println!("epoch {epoch}: mean loss {:.4}", total / 32.0);
+}

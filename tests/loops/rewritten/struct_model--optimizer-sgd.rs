@@ -1,0 +1,58 @@
+// change: line 41: --optimizer sgd: nn::adam → tchmem::optim::Sgd (momentum 0.9: one f32 state tensor per parameter, Adam keeps two); the settings given to nn::adam are not carried over: tchmem::optim::Sgd's defaults apply; same learning rate (SGD often wants a larger one than Adam: tune it)
+// change: --optimizer sgd: 1 type annotation nn::Optimizer → tchmem::optim::Optimizer
+// %%optimize --optimizer sgd: rewritten by tchmem
+use tch::nn::{Module, OptimizerConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+/// A small convolutional network for 28x28 images.
+#[derive(Debug)]
+struct Net {
+    conv1: nn::Conv2D,
+    conv2: nn::Conv2D,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Net {
+    fn new(vs: &nn::Path) -> Net {
+        Net {
+            conv1: nn::conv2d(vs / "conv1", 1, 32, 5, Default::default()),
+            conv2: nn::conv2d(vs / "conv2", 32, 64, 5, Default::default()),
+            fc1: nn::linear(vs / "fc1", 1024, 1024, Default::default()),
+            fc2: nn::linear(vs / "fc2", 1024, 10, Default::default()),
+        }
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.view([-1, 1, 28, 28])
+            .apply(&self.conv1)
+            .max_pool2d_default(2)
+            .apply(&self.conv2)
+            .max_pool2d_default(2)
+            .view([-1, 1024])
+            .apply(&self.fc1)
+            .relu()
+            .apply(&self.fc2)
+    }
+}
+
+let device = Device::cuda_if_available();
+let vs = nn::VarStore::new(device);
+let net = Net::new(&vs.root());
+let mut opt: tchmem::optim::Optimizer = tchmem::optim::Sgd::default()
+    .build(&vs, 1e-3)
+    .unwrap();
+let images = Tensor::rand([2048, 784], (Kind::Float, device));
+let labels = Tensor::randint(10, [2048], (Kind::Int64, device));
+for step in 0..200 {
+    let idx = Tensor::randint(2048, [64], (Kind::Int64, device));
+    let xs = images.index_select(0, &idx);
+    let ys = labels.index_select(0, &idx);
+    let loss = net.forward(&xs).cross_entropy_for_logits(&ys);
+    opt.backward_step(&loss);
+    if step % 50 == 0 {
+        println!("step {step}: loss {:.4}", loss.double_value(&[]));
+    }
+}
