@@ -125,3 +125,17 @@ let _auto_layer: tch::nn::Linear = tch::nn::linear(auto_vs.root(), 20, 10, Defau
     assert reply["status"] == "ok", reply
     record = memory_displays(messages)[0]["data"][RECORD_MIME]
     assert category_bytes(record, "parameters") == before + (20 * 10 + 10 - 110) * 4
+
+
+def test_an_allocation_too_large_for_the_machine_is_an_out_of_memory_error(kernel):
+    _, kc = kernel
+    # 2^50 f32 elements (4 PiB): more than any address space; libtorch's CPU allocator refuses.
+    code = "let oom_t: tch::Tensor = tch::Tensor::zeros([1i64 << 50], (tch::Kind::Float, tch::Device::Cpu));"
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "error"
+    assert reply["ename"] == "OutOfMemory", reply
+    assert "CPU allocator" in reply["evalue"] and "%%optimize" in reply["evalue"]
+    assert any("can't allocate memory" in line for line in reply["traceback"])
+    # The kernel is still there, with its earlier variables.
+    reply, _ = execute(kc, "let oom_after: i32 = 1; oom_after")
+    assert reply["status"] == "ok"

@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "error.h"
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -146,12 +148,6 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   }
 };
 
-void write_error(const char* what, char* err, size_t err_len) {
-  if (err == nullptr || err_len == 0) return;
-  std::strncpy(err, what, err_len - 1);
-  err[err_len - 1] = '\0';
-}
-
 }  // namespace
 
 extern "C" {
@@ -161,26 +157,19 @@ extern "C" {
 // Without grad mode the segment simply runs. Returns 0, or -1 with a message in `err`.
 int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop drop,
                       const at::Tensor* input, at::Tensor** out, char* err, size_t err_len) {
-  try {
-    auto segment = c10::make_intrusive<Segment>(data, call, drop);
-    if (!at::GradMode::is_enabled()) {
-      *out = new at::Tensor(segment->run(*input));
-      return 0;
-    }
-    at::Tensor dummy = at::empty({0}, at::TensorOptions().device(input->device()));
-    dummy.requires_grad_(true);
-    auto outputs = CheckpointFunction::apply(segment, at::TensorList({*input, dummy}));
-    *out = new at::Tensor(outputs[0]);
-    return 0;
-  } catch (const c10::Error& e) {
-    // The message without libtorch's C++ backtrace, which says nothing to a notebook user.
-    write_error(e.what_without_backtrace(), err, err_len);
-  } catch (const std::exception& e) {
-    write_error(e.what(), err, err_len);
-  } catch (...) {
-    write_error("unknown C++ exception", err, err_len);
-  }
-  return -1;
+  return tchmem::guarded(
+      [&] {
+        auto segment = c10::make_intrusive<Segment>(data, call, drop);
+        if (!at::GradMode::is_enabled()) {
+          *out = new at::Tensor(segment->run(*input));
+          return;
+        }
+        at::Tensor dummy = at::empty({0}, at::TensorOptions().device(input->device()));
+        dummy.requires_grad_(true);
+        auto outputs = CheckpointFunction::apply(segment, at::TensorList({*input, dummy}));
+        *out = new at::Tensor(outputs[0]);
+      },
+      err, err_len);
 }
 
 }  // extern "C"

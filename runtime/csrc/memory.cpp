@@ -4,9 +4,9 @@
 // into Rust.
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include "error.h"
+
 #include <cstdint>
-#include <cstring>
-#include <exception>
 
 extern "C" {
 
@@ -35,29 +35,10 @@ struct TchmemDeviceStats {
 
 namespace {
 
-void write_error(const char* what, char* err, size_t err_len) {
-  if (err == nullptr || err_len == 0) return;
-  std::strncpy(err, what, err_len - 1);
-  err[err_len - 1] = '\0';
-}
-
 // Index 0 of a StatArray is the aggregate over the small and large pools.
 TchmemStat convert(const c10::CachingAllocator::StatArray& stats) {
   const auto& s = stats[0];
   return TchmemStat{s.current, s.peak, s.allocated, s.freed};
-}
-
-template <typename F>
-int guarded(F&& body, char* err, size_t err_len) {
-  try {
-    body();
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e.what(), err, err_len);
-  } catch (...) {
-    write_error("unknown C++ exception", err, err_len);
-  }
-  return -1;
 }
 
 c10::DeviceAllocator* cuda_allocator() {
@@ -69,7 +50,7 @@ c10::DeviceAllocator* cuda_allocator() {
 extern "C" {
 
 int tchmem_cuda_device_stats(int device, TchmemDeviceStats* out, char* err, size_t err_len) {
-  return guarded(
+  return tchmem::guarded(
       [&] {
         auto stats = cuda_allocator()->getDeviceStats(static_cast<c10::DeviceIndex>(device));
         out->allocated_bytes = convert(stats.allocated_bytes);
@@ -88,14 +69,14 @@ int tchmem_cuda_device_stats(int device, TchmemDeviceStats* out, char* err, size
 }
 
 int tchmem_cuda_reset_peak_stats(int device, char* err, size_t err_len) {
-  return guarded(
+  return tchmem::guarded(
       [&] { cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); }, err,
       err_len);
 }
 
 int tchmem_cuda_memory_info(int device, uint64_t* free_bytes, uint64_t* total_bytes, char* err,
                             size_t err_len) {
-  return guarded(
+  return tchmem::guarded(
       [&] {
         auto info = cuda_allocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
         *free_bytes = info.first;
@@ -105,7 +86,7 @@ int tchmem_cuda_memory_info(int device, uint64_t* free_bytes, uint64_t* total_by
 }
 
 int tchmem_cuda_empty_cache(char* err, size_t err_len) {
-  return guarded([&] { cuda_allocator()->emptyCache(); }, err, err_len);
+  return tchmem::guarded([&] { cuda_allocator()->emptyCache(); }, err, err_len);
 }
 
 }  // extern "C"

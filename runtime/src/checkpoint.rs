@@ -117,12 +117,65 @@ fn segment_ranges(layers: usize, segments: Option<usize>) -> Vec<std::ops::Range
 /// A layer shared between the model and the segments that backward may still run.
 type Shared<M> = Arc<Mutex<Box<M>>>;
 
-/// Like tch's `nn::Sequential`, with all segments but the last checkpointed.
-#[derive(Debug, Default)]
-pub struct Sequential {
-    layers: Vec<Shared<dyn Module>>,
+/// Layers split into segments, all but the last run through [`checkpoint`]: the part
+/// [`Sequential`] and [`SequentialT`] share.
+struct Segmented<M: ?Sized> {
+    layers: Vec<Shared<M>>,
     segments: Option<usize>,
 }
+
+impl<M: ?Sized> Default for Segmented<M> {
+    fn default() -> Self {
+        Segmented {
+            layers: Vec::new(),
+            segments: None,
+        }
+    }
+}
+
+impl<M: ?Sized> std::fmt::Debug for Segmented<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segmented")
+            .field("layers", &self.layers.len())
+            .field("segments", &self.segments)
+            .finish()
+    }
+}
+
+impl<M: ?Sized + Send + 'static> Segmented<M> {
+    fn push(&mut self, layer: Box<M>) {
+        self.layers.push(Arc::new(Mutex::new(layer)));
+    }
+
+    /// Runs the layers on `xs`, each through `apply(layer, x, train)`.
+    fn forward(&self, xs: &Tensor, train: bool, apply: fn(&M, &Tensor, bool) -> Tensor) -> Tensor {
+        let run = move |layers: &[Shared<M>], input: &Tensor| {
+            let mut x = input.shallow_clone();
+            for layer in layers {
+                let layer = layer.lock().unwrap_or_else(|e| e.into_inner());
+                x = apply(&layer, &x, train);
+            }
+            x
+        };
+        let ranges = segment_ranges(self.layers.len(), self.segments);
+        let last = ranges.len().saturating_sub(1);
+        let mut x = xs.shallow_clone();
+        for (i, range) in ranges.into_iter().enumerate() {
+            let layers = self.layers[range].to_vec();
+            // The last segment's activations are needed at once by backward: keep them.
+            x = if i == last {
+                run(&layers, &x)
+            } else {
+                checkpoint(move |x| run(&layers, x), &x)
+            };
+        }
+        x
+    }
+}
+
+/// Like tch's `nn::Sequential`, with all segments but the last checkpointed.
+#[derive(Debug, Default)]
+pub struct Sequential(Segmented<dyn Module>);
 
 /// An empty checkpointed sequential model (the counterpart of `nn::seq()`).
 pub fn seq() -> Sequential {
@@ -133,7 +186,7 @@ impl Sequential {
     /// Appends a layer.
     #[allow(clippy::should_implement_trait)]
     pub fn add<M: Module + 'static>(mut self, layer: M) -> Self {
-        self.layers.push(Arc::new(Mutex::new(Box::new(layer))));
+        self.0.push(Box::new(layer));
         self
     }
 
@@ -147,54 +200,31 @@ impl Sequential {
 
     /// Splits the layers into `segments` segments (default: √N rounded up).
     pub fn segments(mut self, segments: usize) -> Self {
-        self.segments = Some(segments);
+        self.0.segments = Some(segments);
         self
     }
 
     /// The number of layers.
     pub fn len(&self) -> usize {
-        self.layers.len()
+        self.0.layers.len()
     }
 
     /// Whether there are no layers.
     pub fn is_empty(&self) -> bool {
-        self.layers.is_empty()
+        self.0.layers.is_empty()
     }
-}
-
-fn run_layers(layers: &[Shared<dyn Module>], input: &Tensor) -> Tensor {
-    let mut x = input.shallow_clone();
-    for layer in layers {
-        x = layer.lock().unwrap_or_else(|e| e.into_inner()).forward(&x);
-    }
-    x
 }
 
 impl Module for Sequential {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let ranges = segment_ranges(self.layers.len(), self.segments);
-        let last = ranges.len().saturating_sub(1);
-        let mut x = xs.shallow_clone();
-        for (i, range) in ranges.into_iter().enumerate() {
-            let layers = self.layers[range].to_vec();
-            // The last segment's activations are needed at once by backward: keep them.
-            x = if i == last {
-                run_layers(&layers, &x)
-            } else {
-                checkpoint(move |x| run_layers(&layers, x), &x)
-            };
-        }
-        x
+        self.0.forward(xs, false, |layer, x, _| layer.forward(x))
     }
 }
 
 /// Like tch's `nn::SequentialT` (layers with a train flag), with all segments but the last
 /// checkpointed.
 #[derive(Debug, Default)]
-pub struct SequentialT {
-    layers: Vec<Shared<dyn ModuleT>>,
-    segments: Option<usize>,
-}
+pub struct SequentialT(Segmented<dyn ModuleT>);
 
 /// An empty checkpointed sequential model with a train flag (the counterpart of `nn::seq_t()`).
 pub fn seq_t() -> SequentialT {
@@ -205,7 +235,7 @@ impl SequentialT {
     /// Appends a layer.
     #[allow(clippy::should_implement_trait)]
     pub fn add<M: ModuleT + 'static>(mut self, layer: M) -> Self {
-        self.layers.push(Arc::new(Mutex::new(Box::new(layer))));
+        self.0.push(Box::new(layer));
         self
     }
 
@@ -227,46 +257,25 @@ impl SequentialT {
 
     /// Splits the layers into `segments` segments (default: √N rounded up).
     pub fn segments(mut self, segments: usize) -> Self {
-        self.segments = Some(segments);
+        self.0.segments = Some(segments);
         self
     }
 
     /// The number of layers.
     pub fn len(&self) -> usize {
-        self.layers.len()
+        self.0.layers.len()
     }
 
     /// Whether there are no layers.
     pub fn is_empty(&self) -> bool {
-        self.layers.is_empty()
+        self.0.layers.is_empty()
     }
-}
-
-fn run_layers_t(layers: &[Shared<dyn ModuleT>], input: &Tensor, train: bool) -> Tensor {
-    let mut x = input.shallow_clone();
-    for layer in layers {
-        x = layer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .forward_t(&x, train);
-    }
-    x
 }
 
 impl ModuleT for SequentialT {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let ranges = segment_ranges(self.layers.len(), self.segments);
-        let last = ranges.len().saturating_sub(1);
-        let mut x = xs.shallow_clone();
-        for (i, range) in ranges.into_iter().enumerate() {
-            let layers = self.layers[range].to_vec();
-            x = if i == last {
-                run_layers_t(&layers, &x, train)
-            } else {
-                checkpoint(move |x| run_layers_t(&layers, x, train), &x)
-            };
-        }
-        x
+        self.0
+            .forward(xs, train, |layer, x, train| layer.forward_t(x, train))
     }
 }
 

@@ -28,9 +28,15 @@ fn synchronize() {
     }
 }
 
-/// Starts a run of `steps` steps: frees the allocator's cache and resets its peaks, so that
-/// runs measured one after the other start alike.
+/// The seed both runs of a comparison start from.
+pub const SEED: i64 = 0;
+
+/// Starts a run of `steps` steps: seeds libtorch's generators with [`SEED`] (both versions
+/// initialise the same weights and draw the same dropout masks, so their losses can be compared
+/// step by step), frees the allocator's cache and resets its peaks, so that runs measured one
+/// after the other start alike.
 pub fn begin(steps: usize) {
+    tch::manual_seed(SEED);
     synchronize();
     let _ = cuda_stats::empty_cache();
     let _ = cuda_stats::reset_peak_stats(record::DEVICE);

@@ -3,6 +3,7 @@ TCHMEM_RECORD=0, alternating, timed from the client; plus the hooks' own time fr
 
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,7 +52,8 @@ def main(cells):
     kernels = {}
     for name, record in (("recording", "1"), ("not recording", "0")):
         env = dict(os.environ, TCHMEM_RECORD=record)
-        km, kc = start_new_kernel(kernel_name="tchmem", env=env, startup_timeout=120)
+        km, kc = start_new_kernel(kernel_name="tchmem", env=env, startup_timeout=120,
+                                  stderr=subprocess.DEVNULL)
         run(kc, "%memprofile always")
         run(kc, SETUP)
         kernels[name] = (km, kc)

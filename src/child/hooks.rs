@@ -13,6 +13,8 @@ pub struct CellHooks {
     cuda: CudaLibrary,
     cells_run: u64,
     started: Instant,
+    /// Time spent in the runtime's before-cell hook of the running cell.
+    recording_before: f64,
 }
 
 impl CellHooks {
@@ -23,13 +25,18 @@ impl CellHooks {
             cuda,
             cells_run: 0,
             started: Instant::now(),
+            recording_before: 0.0,
         }
     }
 
     /// Runs just before the cell's code.
     pub fn before_cell(&mut self) {
-        runtime_hooks::before_cell();
+        let start = Instant::now();
+        if runtime_hooks::recording_enabled() {
+            runtime_hooks::before_cell();
+        }
         self.started = Instant::now();
+        self.recording_before = (self.started - start).as_secs_f64();
     }
 
     /// Runs just after the cell's code returned (also after a caught panic): sends the cell's
@@ -37,7 +44,17 @@ impl CellHooks {
     /// marks the end of the cell's stderr.
     pub fn after_cell(&mut self) {
         let wall_seconds = self.started.elapsed().as_secs_f64();
-        let (memory, memory_missing) = match runtime_hooks::after_cell() {
+        let start = Instant::now();
+        let after = if runtime_hooks::recording_enabled() {
+            runtime_hooks::after_cell()
+        } else {
+            Some(Err(format!(
+                "recording is off ({}=0)",
+                runtime_hooks::RECORD_ENV
+            )))
+        };
+        let recording_seconds = self.recording_before + start.elapsed().as_secs_f64();
+        let (memory, memory_missing) = match after {
             Some(Ok(record)) => (Some(record), None),
             Some(Err(why)) => (None, Some(why)),
             None => (
@@ -54,6 +71,7 @@ impl CellHooks {
             cuda_library: self.cuda.describe(),
             memory,
             memory_missing,
+            recording_seconds,
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
         let begin = format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}");

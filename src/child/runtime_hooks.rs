@@ -29,6 +29,16 @@ fn hook(pointer: &std::sync::atomic::AtomicPtr<c_void>) -> Option<*mut c_void> {
     (!address.is_null()).then_some(address)
 }
 
+/// The environment variable that turns recording off when set to `0` (for measuring what
+/// recording costs; cells then get no memory record).
+pub const RECORD_ENV: &str = "TCHMEM_RECORD";
+
+/// Whether the runtime's hooks run around cells (read once per child).
+pub fn recording_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var(RECORD_ENV).map_or(true, |v| v != "0"))
+}
+
 /// Calls the runtime's before-cell hook, if registered.
 pub fn before_cell() {
     if let Some(before) = hook(&SLOT.before_cell) {

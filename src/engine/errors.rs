@@ -93,27 +93,64 @@ pub fn panic(leftovers: &Leftovers) -> CellError {
     error
 }
 
-/// A failed cell whose memory record counted an out-of-memory error becomes an
-/// `OutOfMemory` error that says where memory stood; any other error is returned unchanged.
-/// The allocator's OOM counter decides, not the message text.
+/// Which memory a failed cell ran out of, judged by libtorch's error text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exhausted {
+    Cuda,
+    Cpu,
+}
+
+fn exhausted_by_message(error: &CellError) -> Option<Exhausted> {
+    let text = format!("{} {}", error.evalue, error.traceback.join("\n"));
+    if text.contains("CUDA out of memory") || text.contains("OutOfMemoryError") {
+        Some(Exhausted::Cuda)
+    } else if text.contains("DefaultCPUAllocator: can't allocate memory") {
+        Some(Exhausted::Cpu)
+    } else {
+        None
+    }
+}
+
+/// What to try, for both kinds of OOM.
+const OOM_ADVICE: &str = "Variables defined in this cell were dropped; earlier ones are intact. \
+     To make it fit: see where memory goes in the summary below (tchmem::watch, tchmem::phase), \
+     then try %%optimize on the training cell (--checkpoint, --amp bf16, --accumulate K, \
+     --optimizer adafactor; %%optimize --help), a smaller batch, or drop tensors you no longer need.";
+
+/// A failed cell that ran out of memory becomes an `OutOfMemory` error that says where memory
+/// stood and what to try; any other error is returned unchanged. The allocator's OOM counter
+/// decides for CUDA; libtorch's message is the fallback (a request larger than the device fails
+/// before the allocator counts it, as measured on the H200) and the only signal on CPU.
 pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
-    let Some(cuda) = record.cuda.as_ref().filter(|c| c.ooms > 0) else {
-        return error;
+    let counted = record.cuda.as_ref().map_or(0, |c| c.ooms);
+    let said = exhausted_by_message(&error);
+    let message = match (record.cuda.as_ref(), said) {
+        (Some(cuda), _) if counted > 0 || said == Some(Exhausted::Cuda) => format!(
+            "CUDA ran out of memory in this cell ({}). After the cell: allocated {}, reserved \
+             {}, device free {} of {}; the cell's peak allocation was {}.\n{OOM_ADVICE}",
+            if counted > 0 {
+                format!(
+                    "the allocator counted {counted} OOM{}",
+                    if counted == 1 { "" } else { "s" }
+                )
+            } else {
+                "libtorch refused the allocation".to_string()
+            },
+            human_bytes(cuda.after.allocated),
+            human_bytes(cuda.after.reserved),
+            human_bytes(cuda.device_free),
+            human_bytes(cuda.device_total),
+            human_bytes(cuda.peak.allocated),
+        ),
+        (_, Some(Exhausted::Cpu)) => format!(
+            "The CPU allocator could not get the memory this cell asked for (libtorch's \
+             DefaultCPUAllocator failed; the request is in the message below).\n{OOM_ADVICE}"
+        ),
+        (None, Some(Exhausted::Cuda)) => {
+            format!("CUDA ran out of memory in this cell.\n{OOM_ADVICE}")
+        }
+        _ => return error,
     };
-    let message = format!(
-        "CUDA ran out of memory in this cell (the allocator counted {} OOM{}). After the cell: \
-         allocated {}, reserved {}, device free {} of {}; the cell's peak allocation was {}.\n\
-         Variables defined in this cell were dropped; earlier ones are intact. To make it fit: \
-         see where memory goes in the summary below (tchmem::watch, tchmem::phase), use a \
-         smaller batch, or drop tensors you no longer need.",
-        cuda.ooms,
-        if cuda.ooms == 1 { "" } else { "s" },
-        human_bytes(cuda.after.allocated),
-        human_bytes(cuda.after.reserved),
-        human_bytes(cuda.device_free),
-        human_bytes(cuda.device_total),
-        human_bytes(cuda.peak.allocated),
-    );
     let mut oom = CellError::new("OutOfMemory", message);
     oom.traceback
         .push(format!("{}: {}", error.ename, error.evalue));
@@ -242,10 +279,31 @@ mod tests {
         let oom = out_of_memory(panic.clone(), &record);
         assert_eq!(oom.ename, "OutOfMemory");
         assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("of 80.0 GiB"));
+        assert!(oom.evalue.contains("%%optimize"));
         assert!(oom.traceback.last().unwrap().contains("CUDA out of memory"));
-        // No OOM counted: the error stays what it was, whatever its text says.
+        // Not counted (a request larger than the device): libtorch's message still tells.
         record.cuda.as_mut().unwrap().ooms = 0;
-        assert_eq!(out_of_memory(panic.clone(), &record), panic);
+        let oom = out_of_memory(panic.clone(), &record);
+        assert!(
+            oom.evalue.contains("libtorch refused the allocation"),
+            "{}",
+            oom.evalue
+        );
+        // Neither counted nor said: the error stays what it was.
+        let other = CellError::new("Panic", "index out of bounds");
+        assert_eq!(out_of_memory(other.clone(), &record), other);
+    }
+
+    #[test]
+    fn a_cpu_allocation_failure_is_an_out_of_memory_error() {
+        let panic = CellError::new(
+            "Panic",
+            "Internal torch error: [enforce fail at alloc_cpu.cpp:121] data. \
+             DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 bytes.",
+        );
+        let oom = out_of_memory(panic, &MemoryRecord::default());
+        assert_eq!(oom.ename, "OutOfMemory");
+        assert!(oom.evalue.contains("CPU allocator"), "{}", oom.evalue);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::{CellIo, CellOutcome, CompletionOutcome, Control, InspectOutcome};
 use tchmem_wire::memory::MemoryRecord;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 
-use crate::magics::{self, Magic, MagicReply, ProfileMode};
+use crate::magics::{self, CellMagic, Magic, MagicReply, ProfileMode};
 use crate::report;
 
 /// The id of the child process now running cells.
@@ -132,6 +132,19 @@ impl Session {
     /// Runs one cell: its magics, then its code, then records its memory.
     pub fn execute(&mut self, cell: &str, io: CellIo) -> CellOutcome {
         self.runs += 1;
+        if let Some(source) = magics::cell_magic(cell) {
+            return match magics::parse_cell(&source) {
+                Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
+                Err(MagicReply::Help(help)) => {
+                    (io.output)(CellOutput::Stream(StreamName::Stdout, help + "\n"));
+                    CellOutcome::default()
+                }
+                Err(MagicReply::Error(message)) => CellOutcome {
+                    error: Some(CellError::new("MagicError", message)),
+                    ..Default::default()
+                },
+            };
+        }
         let (magic_lines, code) = magics::split(cell);
         for line in magic_lines {
             if let Err(error) = self.apply_magic(line, &io) {
@@ -144,6 +157,11 @@ impl Session {
         if code.trim().is_empty() {
             return CellOutcome::default();
         }
+        self.run_cell_code(code, io)
+    }
+
+    /// Runs a cell's code and records its memory (shown per `%memprofile`).
+    pub(super) fn run_cell_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
         let mut outcome = self.run_code(code, io);
         if outcome.error.is_none() {
             if let Some(categories) = self.watch_new_var_stores(code) {
@@ -153,7 +171,12 @@ impl Session {
                 }
             }
         }
-        if let Some(record) = outcome.report.as_ref().and_then(|r| r.memory.clone()) {
+        let record = outcome.report.as_ref().and_then(|report| {
+            let mut record = report.memory.clone()?;
+            record.recording_seconds = Some(report.recording_seconds);
+            Some(record)
+        });
+        if let Some(record) = record {
             let show = match self.profile_mode {
                 ProfileMode::Always => true,
                 ProfileMode::Auto => report::changed(&record, self.records.last().map(|(_, r)| r)),

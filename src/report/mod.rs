@@ -2,6 +2,7 @@
 //! record itself as JSON (`application/vnd.tchmem.record+json`) for tools.
 
 mod chart;
+pub mod compare;
 pub mod format;
 
 use serde_json::{Map, Value};
@@ -100,6 +101,23 @@ pub fn cell_display(record: &MemoryRecord) -> Display {
     }
 }
 
+/// How far NVML's view of the process is explained by the context measured at start plus the
+/// allocator's reserved bytes.
+pub fn reconciliation(record: &MemoryRecord) -> Option<String> {
+    let cuda = record.cuda.as_ref()?;
+    let (gap, fraction) = cuda.unexplained()?;
+    Some(format!(
+        "NVML process usage {} = context at start {} + reserved {} {} {} unexplained ({:+.1}% of \
+         NVML: kernels loaded since start, library workspaces)",
+        human_bytes(cuda.nvml_process?),
+        human_bytes(cuda.context_at_start?),
+        human_bytes(cuda.after.reserved),
+        if gap < 0 { "−" } else { "+" },
+        human_bytes(gap.unsigned_abs()),
+        fraction * 100.0
+    ))
+}
+
 fn html(record: &MemoryRecord, chart: &str) -> String {
     let mut rows = String::new();
     for category in &record.categories {
@@ -114,7 +132,9 @@ fn html(record: &MemoryRecord, chart: &str) -> String {
     let notes: String = record
         .notes
         .iter()
-        .map(|n| format!("<li>{}</li>", escape(n)))
+        .cloned()
+        .chain(reconciliation(record))
+        .map(|n| format!("<li>{}</li>", escape(&n)))
         .collect();
     format!(
         "<div class='tchmem-memory'><div>{}</div>{chart}<details><summary>categories</summary>\
@@ -222,6 +242,9 @@ pub fn summary_display(last: Option<(usize, &MemoryRecord)>) -> Display {
                         "this process (NVML)".into(),
                         cuda.nvml_process.map_or("unavailable".into(), human_bytes),
                     ));
+                    if let Some(text) = reconciliation(record) {
+                        rows.push(("NVML reconciled".into(), text));
+                    }
                 }
                 None => rows.push((
                     "allocator counters".into(),
@@ -307,6 +330,7 @@ mod tests {
                 category(CategoryName::CudaContext, 800 * mib, false),
             ],
             notes: vec![],
+            recording_seconds: None,
         }
     }
 

@@ -1,0 +1,302 @@
+//! `%%optimize --compare`: the original and the rewritten loop side by side (HTML table, loss
+//! curves and peak bars as SVG, text fallback, both runs as JSON).
+
+use plotters::prelude::*;
+use serde_json::{Map, Value};
+use tchmem_wire::compare::CompareRun;
+use tchmem_wire::Display;
+
+use super::escape;
+use super::format::human_bytes;
+
+/// The MIME type of the two runs in the comparison's output.
+pub const COMPARISON_MIME: &str = "application/vnd.tchmem.comparison+json";
+
+/// One side of the comparison: its run, or why it has none (e.g. the original ran out of memory).
+pub type Side = Result<CompareRun, String>;
+
+/// Peak minus what outlives a step: activations and temporaries at the peak.
+fn transient(run: &CompareRun) -> Option<u64> {
+    Some(
+        run.peak_allocated?
+            .saturating_sub(run.allocated_after_step?),
+    )
+}
+
+fn bytes_or(value: Option<u64>, missing: &str) -> String {
+    value.map_or(missing.to_string(), human_bytes)
+}
+
+/// Rows of (what, original, rewritten).
+fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
+    let cell = |side: &Side, f: &dyn Fn(&CompareRun) -> String| match side {
+        Ok(run) => f(run),
+        Err(why) => format!("failed: {why}"),
+    };
+    let cuda_only = "– (CUDA-only)";
+    let mut rows = vec![
+        (
+            "steps run".to_string(),
+            cell(original, &|r| r.losses.len().to_string()),
+            cell(rewritten, &|r| r.losses.len().to_string()),
+        ),
+        (
+            "peak allocated".to_string(),
+            cell(original, &|r| bytes_or(r.peak_allocated, cuda_only)),
+            cell(rewritten, &|r| bytes_or(r.peak_allocated, cuda_only)),
+        ),
+        (
+            "… of which kept across steps (parameters, gradients, optimizer state)".to_string(),
+            cell(original, &|r| bytes_or(r.allocated_after_step, cuda_only)),
+            cell(rewritten, &|r| bytes_or(r.allocated_after_step, cuda_only)),
+        ),
+        (
+            "… of which activations and temporaries (peak − kept, inferred)".to_string(),
+            cell(original, &|r| bytes_or(transient(r), cuda_only)),
+            cell(rewritten, &|r| bytes_or(transient(r), cuda_only)),
+        ),
+        (
+            "peak reserved".to_string(),
+            cell(original, &|r| bytes_or(r.peak_reserved, cuda_only)),
+            cell(rewritten, &|r| bytes_or(r.peak_reserved, cuda_only)),
+        ),
+        (
+            "step time (median after the first)".to_string(),
+            cell(original, &|r| {
+                r.typical_step_seconds()
+                    .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
+            }),
+            cell(rewritten, &|r| {
+                r.typical_step_seconds()
+                    .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
+            }),
+        ),
+        (
+            "last loss".to_string(),
+            cell(original, &|r| {
+                r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
+            }),
+            cell(rewritten, &|r| {
+                r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
+            }),
+        ),
+    ];
+    if let (Ok(a), Ok(b)) = (original, rewritten) {
+        let diff = a
+            .losses
+            .iter()
+            .zip(&b.losses)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        rows.push((
+            "largest loss difference over the common steps".into(),
+            String::new(),
+            format!("{diff:.3e}"),
+        ));
+    }
+    rows
+}
+
+/// The verdict line: the saving in bytes and percent, and the time cost.
+pub fn verdict(original: &Side, rewritten: &Side) -> String {
+    match (original, rewritten) {
+        (Err(_), Ok(run)) => format!(
+            "The original failed; the rewritten loop ran {} steps{}.",
+            run.losses.len(),
+            run.peak_allocated.map_or(String::new(), |p| format!(
+                " with a peak of {}",
+                human_bytes(p)
+            ))
+        ),
+        (_, Err(why)) => format!("The rewritten loop failed: {why}"),
+        (Ok(a), Ok(b)) => {
+            let memory = match (a.peak_allocated, b.peak_allocated) {
+                (Some(pa), Some(pb)) if pa > 0 => {
+                    let saved = pa as i128 - pb as i128;
+                    format!(
+                        "Peak memory {} → {}: {} {} ({:.1}%).",
+                        human_bytes(pa),
+                        human_bytes(pb),
+                        if saved >= 0 { "saves" } else { "costs" },
+                        human_bytes(saved.unsigned_abs() as u64),
+                        saved.abs() as f64 / pa as f64 * 100.0
+                    )
+                }
+                _ => "Peak memory: CUDA-only (this kernel runs on CPU), so only time and loss \
+                      are compared."
+                    .to_string(),
+            };
+            let time = match (a.typical_step_seconds(), b.typical_step_seconds()) {
+                (Some(ta), Some(tb)) if ta > 0.0 => {
+                    format!(
+                        " Step time ×{:.2} ({:.1} → {:.1} ms).",
+                        tb / ta,
+                        ta * 1e3,
+                        tb * 1e3
+                    )
+                }
+                _ => String::new(),
+            };
+            memory + &time
+        }
+    }
+}
+
+/// Loss curves of both runs (SVG).
+fn loss_chart(original: &Side, rewritten: &Side) -> Result<String, String> {
+    let series: Vec<(&str, &Vec<f64>, RGBColor)> = [
+        ("original", original, RGBColor(96, 125, 139)),
+        ("rewritten", rewritten, RGBColor(238, 76, 44)),
+    ]
+    .into_iter()
+    .filter_map(|(name, side, colour)| side.as_ref().ok().map(|r| (name, &r.losses, colour)))
+    .filter(|(_, losses, _)| !losses.is_empty())
+    .collect();
+    let all: Vec<f64> = series
+        .iter()
+        .flat_map(|(_, l, _)| l.iter().copied())
+        .filter(|v| v.is_finite())
+        .collect();
+    if all.is_empty() {
+        return Ok(String::new());
+    }
+    let (lo, hi) = all
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    let pad = ((hi - lo) * 0.1).max(1e-6);
+    let steps = series.iter().map(|(_, l, _)| l.len()).max().unwrap_or(1);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (640, 260)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("loss per step", ("sans-serif", 14))
+            .margin(10)
+            .x_label_area_size(28)
+            .y_label_area_size(56)
+            .build_cartesian_2d(1usize..steps.max(2), (lo - pad)..(hi + pad))
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .light_line_style(WHITE)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        for (name, losses, colour) in series {
+            chart
+                .draw_series(LineSeries::new(
+                    losses.iter().enumerate().map(|(i, &v)| (i + 1, v)),
+                    colour.stroke_width(2),
+                ))
+                .map_err(|e| e.to_string())?
+                .label(name)
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// The comparison as a rich output.
+pub fn comparison_display(flags: &str, original: &Side, rewritten: &Side) -> Display {
+    let rows = rows(original, rewritten);
+    let verdict = verdict(original, rewritten);
+    let width = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+    let mut text = format!("%%optimize {flags} --compare\n{verdict}\n");
+    text.push_str(&format!(
+        "{:width$}  {:>16}  {:>16}\n",
+        "", "original", "rewritten"
+    ));
+    for (what, a, b) in &rows {
+        text.push_str(&format!("{what:width$}  {a:>16}  {b:>16}\n"));
+    }
+    let table: String = rows
+        .iter()
+        .map(|(what, a, b)| {
+            format!(
+                "<tr><td>{}</td><td style='text-align:right'>{}</td>\
+                 <td style='text-align:right'>{}</td></tr>",
+                escape(what),
+                escape(a),
+                escape(b)
+            )
+        })
+        .collect();
+    let chart = loss_chart(original, rewritten).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let html = format!(
+        "<div class='tchmem-compare'><div><b>{}</b></div><div>{}</div>\
+         <table><tr><th></th><th>original</th><th>rewritten</th></tr>{table}</table>{chart}</div>",
+        escape(&format!("%%optimize {flags} --compare")),
+        escape(&verdict)
+    );
+    let mut data = Map::new();
+    data.insert("text/plain".into(), Value::String(text));
+    data.insert("text/html".into(), Value::String(html));
+    let side_json = |side: &Side| match side {
+        Ok(run) => serde_json::to_value(run).unwrap_or_default(),
+        Err(why) => serde_json::json!({ "error": why }),
+    };
+    data.insert(
+        COMPARISON_MIME.into(),
+        serde_json::json!({
+            "flags": flags,
+            "original": side_json(original),
+            "rewritten": side_json(rewritten),
+        }),
+    );
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(peak: Option<u64>, losses: Vec<f64>) -> CompareRun {
+        CompareRun {
+            steps_wanted: losses.len(),
+            step_seconds: vec![1.0, 0.1, 0.1],
+            losses,
+            peak_allocated: peak,
+            allocated_after_step: peak.map(|p| p / 2),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_saving_is_given_in_bytes_and_percent() {
+        let a = Ok(run(Some(4 << 30), vec![3.0, 2.0, 1.0]));
+        let b = Ok(run(Some(1 << 30), vec![3.0, 2.0, 1.001]));
+        let text = verdict(&a, &b);
+        assert!(text.contains("saves 3.0 GiB (75.0%)"), "{text}");
+        let display = comparison_display("--checkpoint", &a, &b);
+        let html = display.data["text/html"].as_str().unwrap();
+        assert!(
+            html.contains("<svg") && html.contains("rewritten"),
+            "{html}"
+        );
+        let plain = display.data["text/plain"].as_str().unwrap();
+        assert!(plain.contains("1.000e-3"), "{plain}");
+    }
+
+    #[test]
+    fn cpu_runs_say_memory_is_cuda_only_and_a_failed_original_is_shown() {
+        let a: Side = Err("OutOfMemory".into());
+        let b = Ok(run(None, vec![1.0]));
+        assert!(verdict(&a, &b).starts_with("The original failed"));
+        let text = verdict(&Ok(run(None, vec![1.0])), &b);
+        assert!(text.contains("CUDA-only"), "{text}");
+        let plain = comparison_display("--amp bf16", &a, &b).data["text/plain"].to_string();
+        assert!(plain.contains("failed: OutOfMemory"), "{plain}");
+    }
+}
