@@ -15,8 +15,19 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 def output_types(notebook):
-    return [[o["output_type"] for o in cell.get("outputs", [])]
-            for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    """Each code cell's output types, consecutive streams counted as one (nbclient keeps the
+    stream messages apart that `tchmem execute` joins, as frontends show them)."""
+    types = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        kinds = []
+        for output in cell.get("outputs", []):
+            kind = output["output_type"]
+            if not (kind == "stream" and kinds and kinds[-1] == "stream"):
+                kinds.append(kind)
+        types.append(kinds)
+    return types
 
 
 def all_text(notebook):
