@@ -28,6 +28,34 @@ fn main() {
         .warnings(false)
         .compile("tchmem_shim");
 
+    // The OOM observer needs CUDA headers: torch's nvidia wheels have all but crt/, which
+    // scripts/setup installs (nvidia-cuda-crt). Without them the runtime has no observer and
+    // relies on the allocator's OOM counter.
+    println!("cargo::rustc-check-cfg=cfg(tchmem_oom_observer)");
+    let cuda_include = torch.join("../nvidia/cu13/include");
+    if cuda_include.join("crt/host_config.h").exists()
+        && cuda_include.join("cuda_runtime_api.h").exists()
+    {
+        cc::Build::new()
+            .cpp(true)
+            .file("csrc/oom_observer.cpp")
+            .include(torch.join("include"))
+            .include(torch.join("include/torch/csrc/api/include"))
+            .include(&cuda_include)
+            .flag("-std=c++17")
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .define("GLOG_USE_GLOG_EXPORT", None)
+            .flag("-fno-devirtualize-speculatively")
+            .warnings(false)
+            .compile("tchmem_oom_observer");
+        println!("cargo:rustc-cfg=tchmem_oom_observer");
+    } else {
+        println!(
+            "cargo:warning=no CUDA headers at {} (pip install --no-deps nvidia-cuda-crt==13.0.88): building without the OOM observer",
+            cuda_include.display()
+        );
+    }
+
     // Programs built from this crate (examples, tests) must load libtorch_cuda themselves: cargo
     // does not pass tch's link arguments on, and the linker would drop the unreferenced library,
     // leaving tch without CUDA on a GPU machine (notes/libtorch.md). Cells get it from the

@@ -1,6 +1,7 @@
 //! GPU check of the out-of-memory signals the kernel relies on: (1) one request larger than the
 //! device, (2) memory filled with 4 GiB tensors until an allocation fails. For each, whether the
-//! allocator's OOM counter (`ooms` in the record) moved and libtorch's message. Prints JSON.
+//! allocator's OOM counter (`ooms` in the record) moved, what libtorch's OOM observer reported
+//! (`oom_events`) and libtorch's message. Prints JSON.
 //!
 //!     cargo run --release -p tchmem-runtime --example gpu_oom > oom.json
 
@@ -18,6 +19,8 @@ fn first_line(error: tch::TchError) -> String {
 
 fn main() {
     let device = Device::cuda_if_available();
+    // As the kernel does when a session starts.
+    let observer = tchmem::oom::attach_observer();
 
     record::before_cell();
     // 1 Ti float32 elements = 4 TiB: more than any GPU has.
@@ -48,6 +51,7 @@ fn main() {
 
     let json = serde_json::json!({
         "device": format!("{device:?}"),
+        "observer_attached": observer.map_err(|e| e.to_string()),
         "oversized_request": oversized,
         "memory_filled": filled,
     });

@@ -11,6 +11,7 @@ pub mod cuda_stats;
 pub mod display;
 mod ffi;
 mod nvml;
+pub mod oom;
 pub mod record;
 mod shared;
 mod watch;
@@ -39,4 +40,6 @@ pub fn __kernel_session_start() {
     record::register_hooks();
     // Before any cell allocates: the baseline NVML usage is compared with.
     record::measure_context();
+    // Without CUDA (or CUDA headers at build time) the OOM counter and message remain.
+    let _ = oom::attach_observer();
 }

@@ -46,6 +46,7 @@ pub fn before_cell() {
         let _ = cuda_stats::reset_peak_stats(DEVICE);
     }
     crate::phase::before_cell();
+    crate::oom::take_events();
     *self::before() = before;
 }
 
@@ -122,6 +123,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         device_free,
         nvml_process,
         context_at_start: context_at_start(),
+        oom_events: crate::oom::take_events(),
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
     let mut categories = known_categories(known);

@@ -25,6 +25,8 @@ pub struct Shared {
     pub phases: Mutex<Phases>,
     /// NVML process usage right after CUDA was initialised (see record::measure_context).
     pub context_at_start: Mutex<Option<u64>>,
+    /// What the OOM observer reported since the running cell began (see oom.rs).
+    pub oom_events: Mutex<Vec<tchmem_wire::memory::OomEvent>>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -59,6 +61,7 @@ pub fn shared() -> &'static Shared {
                 before: Mutex::new(None),
                 phases: Mutex::new(Phases::default()),
                 context_at_start: Mutex::new(None),
+                oom_events: Mutex::new(Vec::new()),
             }))
         };
         let Some(slot) = child_slot() else {

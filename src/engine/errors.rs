@@ -111,6 +111,19 @@ fn exhausted_by_message(error: &CellError) -> Option<Exhausted> {
     }
 }
 
+/// What libtorch's OOM observer saw when the allocator gave up, if it did.
+fn at_failure(cuda: &tchmem_wire::memory::CudaMemory) -> String {
+    match cuda.oom_events.last() {
+        Some(event) => format!(
+            " The request that failed was for {}, with {} of {} free on the device.",
+            human_bytes(event.requested),
+            human_bytes(event.device_free),
+            human_bytes(event.device_total)
+        ),
+        None => String::new(),
+    }
+}
+
 /// What to try, for both kinds of OOM.
 const OOM_ADVICE: &str = "Variables defined in this cell were dropped; earlier ones are intact. \
      To make it fit: see where memory goes in the summary below (tchmem::watch, tchmem::phase), \
@@ -119,15 +132,15 @@ const OOM_ADVICE: &str = "Variables defined in this cell were dropped; earlier o
 
 /// A failed cell that ran out of memory becomes an `OutOfMemory` error that says where memory
 /// stood and what to try; any other error is returned unchanged. The allocator's OOM counter
-/// decides for CUDA; libtorch's message is the fallback (a request larger than the device fails
-/// before the allocator counts it, as measured on the H200) and the only signal on CPU.
+/// decides for CUDA; libtorch's message is the fallback (the process's first CUDA allocation
+/// fails before the allocator counts it, as measured on the H200) and the only signal on CPU.
 pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
     let counted = record.cuda.as_ref().map_or(0, |c| c.ooms);
     let said = exhausted_by_message(&error);
     let message = match (record.cuda.as_ref(), said) {
         (Some(cuda), _) if counted > 0 || said == Some(Exhausted::Cuda) => format!(
             "CUDA ran out of memory in this cell ({}). After the cell: allocated {}, reserved \
-             {}, device free {} of {}; the cell's peak allocation was {}.\n{OOM_ADVICE}",
+             {}, device free {} of {}; the cell's peak allocation was {}.{}\n{OOM_ADVICE}",
             if counted > 0 {
                 format!(
                     "the allocator counted {counted} OOM{}",
@@ -141,6 +154,7 @@ pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
             human_bytes(cuda.device_free),
             human_bytes(cuda.device_total),
             human_bytes(cuda.peak.allocated),
+            at_failure(cuda),
         ),
         (_, Some(Exhausted::Cpu)) => format!(
             "The CPU allocator could not get the memory this cell asked for (libtorch's \
@@ -272,6 +286,12 @@ mod tests {
             cuda: Some(CudaMemory {
                 ooms: 1,
                 device_total: 80 << 30,
+                oom_events: vec![tchmem_wire::memory::OomEvent {
+                    device: 0,
+                    requested: 2 << 30,
+                    device_total: 80 << 30,
+                    device_free: 1 << 29,
+                }],
                 ..Default::default()
             }),
             ..Default::default()
@@ -280,8 +300,14 @@ mod tests {
         assert_eq!(oom.ename, "OutOfMemory");
         assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("of 80.0 GiB"));
         assert!(oom.evalue.contains("%%optimize"));
+        assert!(
+            oom.evalue
+                .contains("was for 2.0 GiB, with 512.0 MiB of 80.0 GiB free"),
+            "{}",
+            oom.evalue
+        );
         assert!(oom.traceback.last().unwrap().contains("CUDA out of memory"));
-        // Not counted (a request larger than the device): libtorch's message still tells.
+        // Not counted (the process's first CUDA allocation): libtorch's message still tells.
         record.cuda.as_mut().unwrap().ooms = 0;
         let oom = out_of_memory(panic.clone(), &record);
         assert!(

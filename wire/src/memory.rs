@@ -43,6 +43,24 @@ pub struct CudaMemory {
     /// and before anything was allocated: the CUDA context on its own.
     #[serde(default)]
     pub context_at_start: Option<u64>,
+    /// What libtorch's OOM observer saw each time the allocator gave up on a request during the
+    /// cell (empty without the observer).
+    #[serde(default)]
+    pub oom_events: Vec<OomEvent>,
+}
+
+/// The device's state when the caching allocator gave up on a request (libtorch's OOM
+/// observer).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct OomEvent {
+    /// The CUDA device.
+    pub device: i64,
+    /// The size of the request that failed (rounded up by the allocator).
+    pub requested: u64,
+    /// The device's memory.
+    pub device_total: u64,
+    /// Free device memory at that moment.
+    pub device_free: u64,
 }
 
 impl CudaMemory {

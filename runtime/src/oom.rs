@@ -1,0 +1,64 @@
+//! libtorch's out-of-memory observer (csrc/oom_observer.cpp): the device's state at the moment
+//! the CUDA caching allocator gives up on a request, which the cell's record then carries (and
+//! the kernel's `OutOfMemory` error quotes). The allocator's `num_ooms` counter moves at the
+//! same moment; a request larger than the whole device fails before either.
+
+use tchmem_wire::memory::OomEvent;
+
+#[cfg(tchmem_oom_observer)]
+extern "C" {
+    fn tchmem_attach_oom_observer(
+        callback: extern "C" fn(i64, u64, u64, u64),
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> std::ffi::c_int;
+}
+
+/// Called by libtorch under the allocator's lock: only notes the event.
+#[cfg_attr(not(tchmem_oom_observer), allow(dead_code))]
+extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free: u64) {
+    let mut events = crate::shared::shared()
+        .oom_events
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    events.push(OomEvent {
+        device,
+        requested,
+        device_total,
+        device_free,
+    });
+}
+
+/// Attaches the observer (once per process: the kernel does it when a session starts).
+pub fn attach_observer() -> Result<(), String> {
+    if !tch::Cuda::is_available() {
+        return Err("no CUDA device".into());
+    }
+    // The allocator hands observers to the per-device allocators that exist at the time, which
+    // it creates on first use (measured on the H200: attached before, the observer never ran).
+    drop(tch::Tensor::zeros(
+        [1],
+        (
+            tch::Kind::Float,
+            tch::Device::Cuda(crate::record::DEVICE as usize),
+        ),
+    ));
+    #[cfg(tchmem_oom_observer)]
+    {
+        crate::ffi::call(|err, len| unsafe { tchmem_attach_oom_observer(on_oom, err, len) })
+    }
+    #[cfg(not(tchmem_oom_observer))]
+    {
+        Err("the runtime was built without CUDA headers (scripts/setup installs them)".into())
+    }
+}
+
+/// The events observed since the last call.
+pub fn take_events() -> Vec<OomEvent> {
+    std::mem::take(
+        &mut *crate::shared::shared()
+            .oom_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()),
+    )
+}
