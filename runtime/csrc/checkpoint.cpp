@@ -37,6 +37,16 @@ struct Segment : torch::CustomClassHolder {
   ~Segment() override { drop(data); }
 
   at::Tensor run(const at::Tensor& input) const {
+    // Autocast caches its low-precision copies of weights per thread, keyed by the weight and
+    // blind to in-place updates, until the outermost autocast region ends. A segment run from
+    // here must not use or fill that cache: the forward runs without grad (a cached copy would
+    // carry no graph into a later use of the same weight), and the recompute in backward runs
+    // on an autograd thread whose cache nobody clears (later steps would see old weights).
+    struct CacheOff {
+      bool was = at::autocast::is_autocast_cache_enabled();
+      CacheOff() { at::autocast::set_autocast_cache_enabled(false); }
+      ~CacheOff() { at::autocast::set_autocast_cache_enabled(was); }
+    } cache_off;
     char err[4096] = {0};
     at::Tensor* out = call(data, new at::Tensor(input), err, sizeof err);
     if (out == nullptr) {

@@ -92,7 +92,9 @@ pub fn autocast<T>(dtype: Kind, f: impl FnOnce() -> T) -> T {
 /// gradients hold inf/nan is skipped and the scale halved; after `growth_interval` good steps
 /// the scale doubles. The defaults are PyTorch's.
 pub struct GradScaler {
-    params: Vec<Tensor>,
+    /// The VarStore's variables, read at each unscale: like tch's optimizers, the scaler sees
+    /// variables added after it was made.
+    variables: std::sync::Arc<std::sync::Mutex<nn::Variables>>,
     scale: Tensor,
     growth_tracker: Tensor,
     /// Multiplier after `growth_interval` steps without inf/nan (2.0).
@@ -115,7 +117,7 @@ impl GradScaler {
     pub fn with_scale(vs: &nn::VarStore, init_scale: f64) -> GradScaler {
         let device = vs.device();
         GradScaler {
-            params: vs.trainable_variables(),
+            variables: vs.variables_.clone(),
             scale: Tensor::from_slice(&[init_scale as f32]).to_device(device),
             growth_tracker: Tensor::from_slice(&[0i32]).to_device(device),
             growth_factor: 2.0,
@@ -153,9 +155,12 @@ impl GradScaler {
         let mut found_inf = Tensor::zeros([1], (Kind::Float, self.scale.device()));
         let inv_scale = self.scale.reciprocal();
         let mut grads: Vec<Tensor> = self
-            .params
+            .variables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .trainable_variables
             .iter()
-            .map(|p| p.grad())
+            .map(|v| v.tensor.grad())
             .filter(|g| g.defined())
             .collect();
         if !grads.is_empty() {

@@ -73,6 +73,11 @@ extern "C" fn drop_segment(data: *mut c_void) {
 /// again. The closure must be a pure function of its input and the parameters it captures
 /// (random ops are replayed with the same RNG state). Without grad mode it simply runs.
 ///
+/// Like PyTorch's reentrant checkpoint, the recompute backpropagates into the parameters'
+/// `.grad` itself: `loss.backward()` and optimizers work; gradients of parameters inside a
+/// segment through `Tensor::run_backward(…, inputs)` and double backward (`create_graph`) do
+/// not.
+///
 /// # Panics
 /// If the segment panics or libtorch reports an error (the message is passed on).
 pub fn checkpoint<F>(segment: F, input: &Tensor) -> Tensor

@@ -66,17 +66,21 @@ pub fn record_step(loss: &Tensor) -> bool {
         .step_seconds
         .push(now.duration_since(state.last).as_secs_f64());
     let done = state.run.losses.len() >= state.run.steps_wanted;
-    if done {
-        if let Ok(stats) = cuda_stats::device_stats(record::DEVICE) {
-            state.run.peak_allocated = Some(stats.peak.allocated);
-            state.run.peak_reserved = Some(stats.peak.reserved);
-            state.run.allocated_after_step = Some(stats.current.allocated);
-        }
-        state.run.at_last_step = Some(record::current());
-    }
+    // After every step, so that a loop with fewer steps than asked still has its numbers.
+    measure(&mut state.run);
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
     done
+}
+
+/// The allocator's peaks and what a step leaves allocated, as of now.
+fn measure(run: &mut CompareRun) {
+    if let Ok(stats) = cuda_stats::device_stats(record::DEVICE) {
+        run.peak_allocated = Some(stats.peak.allocated);
+        run.peak_reserved = Some(stats.peak.reserved);
+        run.allocated_after_step = Some(stats.current.allocated);
+    }
+    run.at_last_step = Some(record::current());
 }
 
 /// Ends the run; the value shows as the run's measurements (the kernel reads them).

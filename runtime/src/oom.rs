@@ -14,7 +14,7 @@ extern "C" {
     ) -> std::ffi::c_int;
 }
 
-/// Called by libtorch under the allocator's lock: only notes the event.
+/// Called by libtorch when the allocator gives up: only notes the event.
 #[cfg_attr(not(tchmem_oom_observer), allow(dead_code))]
 extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free: u64) {
     let mut events = crate::shared::shared()

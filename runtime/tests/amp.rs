@@ -99,3 +99,30 @@ fn the_scale_grows_after_the_growth_interval() {
     }
     assert_eq!(scaler.scale_value(), 16.0);
 }
+
+#[test]
+fn the_scaler_unscales_variables_added_after_it_was_made() {
+    let (vs, model, x) = setup();
+    let mut scaler = tchmem::amp::GradScaler::with_scale(&vs, 1024.0);
+    // A layer created after the scaler.
+    let head = nn::linear(vs.root() / "late", 1, 1, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let loss = head.forward(&model.forward(&x)).square().mean(Kind::Float);
+    opt.zero_grad();
+    scaler.scale(&loss).backward();
+    scaler.unscale();
+    let scaled: Vec<Tensor> = vs
+        .trainable_variables()
+        .iter()
+        .map(|v| v.grad().copy())
+        .collect();
+    opt.zero_grad();
+    head.forward(&model.forward(&x))
+        .square()
+        .mean(Kind::Float)
+        .backward();
+    for (got, v) in scaled.iter().zip(vs.trainable_variables()) {
+        let diff = (got - v.grad()).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "a gradient stayed scaled (off by {diff})");
+    }
+}

@@ -47,9 +47,30 @@ fn code_display(flags: &str, code: &str, changes: &[String]) -> Display {
 }
 
 /// The cell that runs one instrumented version for `steps` steps, in a block so that it leaves
-/// no variables behind, and returns the measurements as its value.
+/// no variables behind (whatever its last expression's type), and returns the measurements as
+/// its value. evcxr's `:` commands stay at the top of the cell, where evcxr reads them.
 fn compare_cell(instrumented: &str, steps: u32) -> String {
-    format!("tchmem::compare::begin({steps});\n{{\n{instrumented}\n}}\ntchmem::compare::finish()\n")
+    let (commands, code): (Vec<&str>, Vec<&str>) = instrumented
+        .lines()
+        .partition(|line| line.trim_start().starts_with(':'));
+    format!(
+        "{}\ntchmem::compare::begin({steps});\nlet _ = {{\n{}\n}};\ntchmem::compare::finish()\n",
+        commands.join("\n"),
+        code.join("\n")
+    )
+}
+
+/// Why `--compare` would mislead on this cell, if it would: both runs must start from fresh
+/// weights, so the VarStore must be made in the cell (a model from an earlier cell would be
+/// trained by the first run and handed, trained, to the second).
+fn compare_misleads(body: &str) -> Option<String> {
+    (!body.contains("VarStore::new")).then(|| {
+        "--compare runs the original and the rewritten loop one after the other, each from \
+         fresh weights; this cell does not create its VarStore (nn::VarStore::new), so the \
+         second run would start from what the first one trained. Put the model's construction \
+         in the cell, or leave out --compare."
+            .to_string()
+    })
 }
 
 impl Session {
@@ -80,6 +101,9 @@ impl Session {
         let Some(steps) = request.compare else {
             return self.run_cell_code(&rewritten.code, io);
         };
+        if let Some(why) = compare_misleads(source.body) {
+            return fail(CellError::new("RewriteRefused", why));
+        }
         let mut sides = Vec::new();
         for (name, code) in [("original", source.body), ("rewritten", &rewritten.code)] {
             let instrumented = match rewrite::instrument_for_compare(code) {
@@ -97,6 +121,13 @@ impl Session {
                     input: None,
                 },
             );
+            // An interrupt or a crash ends the comparison: the user asked to stop, or the
+            // process that ran cells is gone.
+            if let Some(error) = &outcome.error {
+                if matches!(error.ename.as_str(), "Interrupted" | "ChildProcessCrashed") {
+                    return outcome;
+                }
+            }
             sides.push(measured(outcome));
         }
         let rewritten_side = sides.pop().unwrap_or_else(|| Err("not run".into()));
@@ -106,7 +137,16 @@ impl Session {
             &original_side,
             &rewritten_side,
         )));
-        CellOutcome::default()
+        match (&original_side, &rewritten_side) {
+            (Err(original), Err(rewritten)) => fail(CellError::new(
+                "CompareFailed",
+                format!(
+                    "neither version ran: the original failed with {original}; the rewritten \
+                     one with {rewritten}"
+                ),
+            )),
+            _ => CellOutcome::default(),
+        }
     }
 }
 
@@ -126,4 +166,30 @@ fn measured(outcome: CellOutcome) -> Side {
 
 fn first_line(text: &str) -> &str {
     text.lines().next().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{compare_cell, compare_misleads};
+
+    #[test]
+    fn the_compare_cell_keeps_commands_on_top_and_any_tail_value_in_a_block() {
+        let cell = compare_cell(":dep rand = \"0.8\"\nlet x = 1;\nx + 1", 3);
+        assert!(cell.starts_with(":dep rand"), "{cell}");
+        assert!(
+            cell.contains("begin(3);\nlet _ = {\nlet x = 1;\nx + 1\n};"),
+            "{cell}"
+        );
+        assert!(cell.trim_end().ends_with("tchmem::compare::finish()"));
+    }
+
+    #[test]
+    fn compare_needs_the_var_store_made_in_the_cell() {
+        assert!(compare_misleads("let vs = nn::VarStore::new(d);").is_none());
+        assert!(
+            compare_misleads("for x in xs { opt.backward_step(&loss); }")
+                .unwrap()
+                .contains("VarStore::new")
+        );
+    }
 }

@@ -189,6 +189,9 @@ impl Session {
                 outcome.error = Some(errors::out_of_memory(error, &record));
             }
             self.records.push((self.runs, record));
+        } else if let Some(error) = outcome.error.take() {
+            // No record (recording off, no runtime): libtorch's message can still tell an OOM.
+            outcome.error = Some(errors::out_of_memory(error, &MemoryRecord::default()));
         }
         outcome
     }

@@ -82,6 +82,14 @@ pub struct OptimizeRequest {
 impl OptimizeArgs {
     /// Checks the values clap cannot, and converts to a request.
     pub fn validate(self) -> Result<OptimizeRequest, String> {
+        if let Some(Some(1)) = self.checkpoint {
+            return Err(
+                "--checkpoint 1: the last segment is not recomputed (backward needs its \
+                        activations at once), so one segment would checkpoint nothing; SEGMENTS \
+                        must be at least 2, or leave it out for √layers"
+                    .to_string(),
+            );
+        }
         if let Some(Some(0)) = self.checkpoint {
             return Err(
                 "--checkpoint 0: SEGMENTS is how many segments the model is split into \

@@ -82,16 +82,27 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
         ),
     ];
     if let (Ok(a), Ok(b)) = (original, rewritten) {
-        let diff = a
+        let pairs: Vec<(f64, f64)> = a
             .losses
             .iter()
-            .zip(&b.losses)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max);
+            .copied()
+            .zip(b.losses.iter().copied())
+            .collect();
+        // NaN would vanish in a max: say where a loss stopped being finite instead.
+        let text = match pairs
+            .iter()
+            .position(|(x, y)| !x.is_finite() || !y.is_finite())
+        {
+            Some(step) => format!("NaN/inf at step {}", step + 1),
+            None => {
+                let diff = pairs.iter().map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+                format!("{diff:.3e}")
+            }
+        };
         rows.push((
             "largest loss difference over the common steps".into(),
             String::new(),
-            format!("{diff:.3e}"),
+            text,
         ));
     }
     rows
@@ -287,6 +298,14 @@ mod tests {
         );
         let plain = display.data["text/plain"].as_str().unwrap();
         assert!(plain.contains("1.000e-3"), "{plain}");
+    }
+
+    #[test]
+    fn a_loss_that_turns_nan_is_named_not_hidden() {
+        let a = Ok(run(None, vec![3.0, 2.0, 1.0]));
+        let b = Ok(run(None, vec![3.0, f64::NAN, 1.0]));
+        let plain = comparison_display("--amp f16", &a, &b).data["text/plain"].to_string();
+        assert!(plain.contains("NaN/inf at step 2"), "{plain}");
     }
 
     #[test]

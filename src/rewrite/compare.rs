@@ -73,10 +73,11 @@ pub(crate) fn instrument(src: &str) -> Result<String, Refusal> {
 
     // At the end of the loop body, so that what follows the step runs for the last one too,
     // unless the loss is not there (the step is nested deeper, or the loss is moved or
-    // rebound after it): then right after the step.
+    // rebound after it) or the end may not be reached (a `continue` or `break` after the step,
+    // e.g. logging every N steps): then right after the step.
     let step_block = &tree.blocks[step.block].block;
-    let at_end =
-        step.block == innermost && !moves_or_rebinds(&step_block.stmts[step.index + 1..], loss);
+    let after = &step_block.stmts[step.index + 1..];
+    let at_end = step.block == innermost && !moves_or_rebinds(after, loss) && !leaves_early(after);
     let at = if at_end {
         step_block.stmts.len()
     } else {
@@ -104,6 +105,21 @@ pub(crate) fn instrument(src: &str) -> Result<String, Refusal> {
         if rewritten { "rewritten" } else { "original" }
     );
     Ok(cell::print(&cell, &block, &header))
+}
+
+/// Whether `stmts` hold a `continue`, `break` or `return` (at any depth: one in a nested loop
+/// may be harmless, but right after the step is always safe).
+fn leaves_early(stmts: &[Stmt]) -> bool {
+    fn check(tokens: proc_macro2::TokenStream) -> bool {
+        tokens.into_iter().any(|tree| match tree {
+            TokenTree::Ident(ident) => ident == "continue" || ident == "break" || ident == "return",
+            TokenTree::Group(group) => check(group.stream()),
+            _ => false,
+        })
+    }
+    stmts
+        .iter()
+        .any(|stmt| check(quote::ToTokens::to_token_stream(stmt)))
 }
 
 /// Whether `stmts` might move or rebind `loss`: any use that is not `&loss` or `loss.method()`

@@ -408,6 +408,16 @@ fn rewrite_compare_refusals_and_forms() {
         "{instrumented}"
     );
     assert!(instrument_for_compare(&instrumented).is_err());
+    // Logging every N steps with `continue`: the end of the body is not reached every step, so
+    // the step is recorded right after it.
+    let src = "for (i, xs) in batches.iter().enumerate() {\n    let loss = model.forward(xs).mean(None);\n    \
+               opt.backward_step(&loss);\n    if i % 100 != 0 {\n        continue;\n    }\n    \
+               println!(\"{}\", loss.double_value(&[]));\n}\n";
+    let instrumented = instrument_for_compare(src).unwrap();
+    let step = instrumented.find("opt.backward_step(&loss);").unwrap();
+    let record = instrumented.find("tchmem::compare::record_step").unwrap();
+    let skip = instrumented.find("continue").unwrap();
+    assert!(step < record && record < skip, "{instrumented}");
 }
 
 #[test]
