@@ -98,6 +98,7 @@ def test_memsummary_shows_the_allocator_counters_or_says_they_are_cuda_only(kern
     text = table["data"]["text/plain"]
     assert "after run" in text and "<table>" in table["data"]["text/html"]
     assert "CUDA-only" in text  # CI has no GPU; on CUDA the counters are listed instead
+    assert "cell ran for" in text and "recording took" in text, text
     reply, messages = execute(kc, "%memsummary --help")
     assert reply["status"] == "ok" and "Usage: %memsummary" in stream_text(messages)
 

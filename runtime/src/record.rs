@@ -179,6 +179,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         at_backward,
         notes,
         recording_seconds: None,
+        wall_seconds: None,
     }
 }
 
@@ -194,6 +195,7 @@ fn cpu_record(why: String) -> MemoryRecord {
              sizes; peaks, fragmentation and the CUDA context are CUDA-only."
         )],
         recording_seconds: None,
+        wall_seconds: None,
     }
 }
 

@@ -174,6 +174,7 @@ impl Session {
         let record = outcome.report.as_ref().and_then(|report| {
             let mut record = report.memory.clone()?;
             record.recording_seconds = Some(report.recording_seconds);
+            record.wall_seconds = Some(report.wall_seconds);
             Some(record)
         });
         if let Some(record) = record {

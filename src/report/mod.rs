@@ -257,6 +257,15 @@ pub fn summary_display(last: Option<(usize, &MemoryRecord)>) -> Display {
                     human_bytes(category.bytes),
                 ));
             }
+            if let Some(seconds) = record.wall_seconds {
+                rows.push(("cell ran for".into(), format!("{:.3} s", seconds)));
+            }
+            if let Some(seconds) = record.recording_seconds {
+                rows.push((
+                    "recording took".into(),
+                    format!("{:.3} ms", seconds * 1000.0),
+                ));
+            }
             format!("{} after run {run}", record.device)
         }
     };
@@ -331,6 +340,7 @@ mod tests {
             ],
             notes: vec![],
             recording_seconds: None,
+            wall_seconds: None,
         }
     }
 

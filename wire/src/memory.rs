@@ -163,6 +163,9 @@ pub struct MemoryRecord {
     /// Time the kernel's child spent recording this cell (both hooks), in seconds.
     #[serde(default)]
     pub recording_seconds: Option<f64>,
+    /// Time the cell's code ran, without compilation, in seconds.
+    #[serde(default)]
+    pub wall_seconds: Option<f64>,
 }
 
 impl MemoryRecord {
