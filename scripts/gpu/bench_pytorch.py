@@ -97,9 +97,15 @@ CONFIGS = {
 }
 
 
+# --single-tensor-adamw: AdamW's per-parameter implementation (foreach=False), the way libtorch's
+# C++ AdamW (tch's nn::AdamW) works, to tell the optimizer's share of a step-time gap apart.
+SINGLE_TENSOR_ADAMW = False
+
+
 def optimizer(name, params, lr=3e-4):
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01,
+                                 foreach=False if SINGLE_TENSOR_ADAMW else None)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "lion":
@@ -144,6 +150,7 @@ def run(name, steps, batch, seq, layers):
     return {
         "framework": "pytorch",
         "config": name,
+        "adamw": "single-tensor" if SINGLE_TENSOR_ADAMW else "default (multi-tensor)",
         "parameters": sum(p.numel() for p in model.parameters()),
         "batch": batch, "seq": seq, "layers": layers, "steps": steps,
         "peak_allocated": torch.cuda.max_memory_allocated(),
@@ -160,8 +167,11 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=13)
+    parser.add_argument("--single-tensor-adamw", action="store_true")
     parser.add_argument("configs", nargs="*", default=list(CONFIGS))
     args = parser.parse_args()
+    global SINGLE_TENSOR_ADAMW
+    SINGLE_TENSOR_ADAMW = args.single_tensor_adamw
     for name in args.configs:
         if name not in CONFIGS:
             print(json.dumps({"framework": "pytorch", "config": name, "skipped": "no PyTorch counterpart"}))
