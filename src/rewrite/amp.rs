@@ -16,9 +16,15 @@ pub(crate) fn kind(amp: Amp) -> TokenStream {
     }
 }
 
-/// `let (a, b, loss) = tchmem::amp::autocast(kind, || { body; (a, b, loss) });`: `body` runs
-/// under autocast and the variables in `returned` stay available after it.
-pub(crate) fn autocast(amp: Amp, body: &[Stmt], returned: &[Binding]) -> Result<Stmt, Refusal> {
+/// `let (a, b, loss) = tchmem::amp::autocast_on((&vs).device(), kind, || { body; (a, b, loss) });`
+/// (or `autocast(kind, …)`, CUDA when available, without a VarStore): `body` runs under
+/// autocast on the model's device and the variables in `returned` stay available after it.
+pub(crate) fn autocast(
+    amp: Amp,
+    var_store: Option<&Expr>,
+    body: &[Stmt],
+    returned: &[Binding],
+) -> Result<Stmt, Refusal> {
     let kind = kind(amp);
     let names: Vec<&Ident> = returned.iter().map(|b| &b.ident).collect();
     let patterns: Vec<TokenStream> = returned
@@ -36,11 +42,18 @@ pub(crate) fn autocast(amp: Amp, body: &[Stmt], returned: &[Binding]) -> Result<
         ([pattern], [name]) => (pattern.clone(), quote!(#name)),
         _ => (quote!((#(#patterns),*)), quote!((#(#names),*))),
     };
-    let generated = stmts(quote! {
-        let #pattern = tchmem::amp::autocast(#kind, || {
+    let call = match var_store {
+        Some(vs) => quote!(tchmem::amp::autocast_on((#vs).device(), #kind, || {
             #(#body)*
             #value
-        });
+        })),
+        None => quote!(tchmem::amp::autocast(#kind, || {
+            #(#body)*
+            #value
+        })),
+    };
+    let generated = stmts(quote! {
+        let #pattern = #call;
     })?;
     generated
         .into_iter()

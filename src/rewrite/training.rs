@@ -7,7 +7,7 @@ use syn::{Block, Stmt};
 
 use super::accumulate::{self, Generated};
 use super::amp;
-use super::optimizer::builds;
+use super::optimizer::{builds, Build};
 use super::span::{escaping_control_flow, has_path, used_later, ForwardSpan};
 use super::step::{self, Clip, Form, Loss, Step};
 use super::syntax::{stmts, stmts_mention, Binding, Names};
@@ -157,7 +157,10 @@ pub(crate) fn apply(
                 .cloned()
                 .collect()
         };
-        body = vec![amp::autocast(amp, &body, &returned)?];
+        // On the model's device (from the VarStore its optimizer is built from) when the cell
+        // says; else CUDA when there is one.
+        let device = optimizer_site(&tree, &step).map(|site| site.vs);
+        body = vec![amp::autocast(amp, device.as_ref(), &body, &returned)?];
         changes.push(format!(
             "{}: --amp {}: the forward pass and loss run under tchmem::amp::autocast({}): \
              matmuls and convolutions compute in {}, so their activations take half the memory; \
@@ -294,6 +297,15 @@ pub(crate) fn hoist_loss(
     Ok(())
 }
 
+/// Where the optimizer the step uses is built in this cell (in scope at the step), if it is.
+fn optimizer_site(tree: &Tree, step: &Step) -> Option<Build> {
+    builds(tree).into_iter().rev().find(|b| {
+        b.binding.as_ref() == Some(&step.opt)
+            && tree.sees(step.block, b.block)
+            && (b.block != step.block || b.index < step.index)
+    })
+}
+
 /// Inserts `let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);` after the optimizer the
 /// step uses is built.
 fn add_scaler(
@@ -303,12 +315,7 @@ fn add_scaler(
     changes: &mut Vec<String>,
 ) -> Result<(), Refusal> {
     let tree = Tree::of(block);
-    let site = builds(&tree).into_iter().rev().find(|b| {
-        b.binding.as_ref() == Some(&step.opt)
-            && tree.sees(step.block, b.block)
-            && (b.block != step.block || b.index < step.index)
-    });
-    let Some(site) = site else {
+    let Some(site) = optimizer_site(&tree, step) else {
         return Err(Refusal::at(
             step.line,
             format!(

@@ -29,7 +29,8 @@ let ys = xs.sum_dim_intlist(1, true, Kind::Float).tanh();
 for epoch in 0..10 {
     let mut batches = tch::data::Iter2::new(&xs, &ys, 128);
     for (bx, by) in batches.shuffle() {
-        let loss = tchmem::amp::autocast(
+        let loss = tchmem::amp::autocast_on(
+            (&vs).device(),
             tch::Kind::Half,
             || {
                 let pred = net.forward_t(&bx, true);

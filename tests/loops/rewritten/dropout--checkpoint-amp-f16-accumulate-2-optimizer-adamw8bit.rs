@@ -35,7 +35,8 @@ for epoch in 0..10 {
                 2,
                 [&bx, &by],
             ) {
-                let loss = tchmem::amp::autocast(
+                let loss = tchmem::amp::autocast_on(
+                    (&vs).device(),
                     tch::Kind::Half,
                     || {
                         let pred = net.forward_t(&bx, true);

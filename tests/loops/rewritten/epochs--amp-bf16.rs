@@ -31,7 +31,8 @@ for epoch in 0..3 {
     for (i, (xs, ys)) in batches.iter().enumerate() {
         let xs = xs.to_device(device);
         let ys = ys.to_device(device);
-        let loss = tchmem::amp::autocast(
+        let loss = tchmem::amp::autocast_on(
+            (&vs).device(),
             tch::Kind::BFloat16,
             || {
                 let features = model.forward(&xs);

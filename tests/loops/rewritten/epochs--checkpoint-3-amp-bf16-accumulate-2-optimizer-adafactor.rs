@@ -37,7 +37,8 @@ for epoch in 0..3 {
                 2,
                 [&xs, &ys],
             ) {
-                let loss = tchmem::amp::autocast(
+                let loss = tchmem::amp::autocast_on(
+                    (&vs).device(),
                     tch::Kind::BFloat16,
                     || {
                         let features = model.forward(&xs);

@@ -21,7 +21,8 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
 for epoch in 1..=5 {
     let mut total = 0.0;
     for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
-        let loss = tchmem::amp::autocast(
+        let loss = tchmem::amp::autocast_on(
+            (&vs).device(),
             tch::Kind::BFloat16,
             || {
                 let logits = model.forward(xs);

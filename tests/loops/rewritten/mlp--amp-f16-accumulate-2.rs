@@ -32,7 +32,8 @@ for epoch in 1..=5 {
                 2,
                 [&xs, &ys],
             ) {
-                let loss = tchmem::amp::autocast(
+                let loss = tchmem::amp::autocast_on(
+                    (&vs).device(),
                     tch::Kind::Half,
                     || {
                         let logits = model.forward(xs);

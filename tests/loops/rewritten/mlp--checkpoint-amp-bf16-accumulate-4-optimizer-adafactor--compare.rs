@@ -28,7 +28,8 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
                 4,
                 [&xs, &ys],
             ) {
-                let loss = tchmem::amp::autocast(
+                let loss = tchmem::amp::autocast_on(
+                    (&vs).device(),
                     tch::Kind::BFloat16,
                     || {
                         let logits = model.forward(xs);

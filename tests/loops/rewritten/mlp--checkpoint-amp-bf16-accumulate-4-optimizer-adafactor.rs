@@ -31,7 +31,8 @@ for epoch in 1..=5 {
                 4,
                 [&xs, &ys],
             ) {
-                let loss = tchmem::amp::autocast(
+                let loss = tchmem::amp::autocast_on(
+                    (&vs).device(),
                     tch::Kind::BFloat16,
                     || {
                         let logits = model.forward(xs);

@@ -58,7 +58,8 @@ for step in 0..200 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs, ref ys]) in tchmem::accumulate::split(4, [&xs, &ys]) {
-            let loss = tchmem::amp::autocast(
+            let loss = tchmem::amp::autocast_on(
+                (&vs).device(),
                 tch::Kind::BFloat16,
                 || {
                     let loss = net.forward(&xs).cross_entropy_for_logits(&ys);

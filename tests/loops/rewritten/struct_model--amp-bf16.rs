@@ -47,7 +47,8 @@ for step in 0..200 {
     let idx = Tensor::randint(2048, [64], (Kind::Int64, device));
     let xs = images.index_select(0, &idx);
     let ys = labels.index_select(0, &idx);
-    let loss = tchmem::amp::autocast(
+    let loss = tchmem::amp::autocast_on(
+        (&vs).device(),
         tch::Kind::BFloat16,
         || {
             let loss = net.forward(&xs).cross_entropy_for_logits(&ys);

@@ -19,7 +19,8 @@ let mut step = 0;
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs]) in tchmem::accumulate::split(2, [&xs]) {
-            let loss = tchmem::amp::autocast(
+            let loss = tchmem::amp::autocast_on(
+                (&vs).device(),
                 tch::Kind::Half,
                 || {
                     let code = xs.apply(&encoder);

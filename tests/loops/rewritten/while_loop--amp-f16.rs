@@ -17,7 +17,8 @@ let data = Tensor::randn([1024, 128], (Kind::Float, device));
 let mut step = 0;
 while step < 300 {
     let xs = data.narrow(0, (step % 16) * 64, 64);
-    let loss = tchmem::amp::autocast(
+    let loss = tchmem::amp::autocast_on(
+        (&vs).device(),
         tch::Kind::Half,
         || {
             let code = xs.apply(&encoder);

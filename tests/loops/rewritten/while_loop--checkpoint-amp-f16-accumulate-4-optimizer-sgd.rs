@@ -24,7 +24,8 @@ while step < 300 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs]) in tchmem::accumulate::split(4, [&xs]) {
-            let loss = tchmem::amp::autocast(
+            let loss = tchmem::amp::autocast_on(
+                (&vs).device(),
                 tch::Kind::Half,
                 || {
                     let code = xs.apply(&encoder);
