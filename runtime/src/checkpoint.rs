@@ -178,6 +178,37 @@ impl<M: ?Sized + Send + 'static> Segmented<M> {
     }
 }
 
+/// The builder methods both checkpointed sequentials share (each has its own `add`).
+macro_rules! segmented_builder {
+    ($model:ty) => {
+        impl $model {
+            /// Appends a closure.
+            pub fn add_fn<F>(self, f: F) -> Self
+            where
+                F: 'static + Fn(&Tensor) -> Tensor + Send,
+            {
+                self.add(tch::nn::func(f))
+            }
+
+            /// Splits the layers into `segments` segments (default: √N rounded up).
+            pub fn segments(mut self, segments: usize) -> Self {
+                self.0.segments = Some(segments);
+                self
+            }
+
+            /// The number of layers.
+            pub fn len(&self) -> usize {
+                self.0.layers.len()
+            }
+
+            /// Whether there are no layers.
+            pub fn is_empty(&self) -> bool {
+                self.0.layers.is_empty()
+            }
+        }
+    };
+}
+
 /// Like tch's `nn::Sequential`, with all segments but the last checkpointed.
 #[derive(Debug, Default)]
 pub struct Sequential(Segmented<dyn Module>);
@@ -194,31 +225,9 @@ impl Sequential {
         self.0.push(Box::new(layer));
         self
     }
-
-    /// Appends a closure.
-    pub fn add_fn<F>(self, f: F) -> Self
-    where
-        F: 'static + Fn(&Tensor) -> Tensor + Send,
-    {
-        self.add(tch::nn::func(f))
-    }
-
-    /// Splits the layers into `segments` segments (default: √N rounded up).
-    pub fn segments(mut self, segments: usize) -> Self {
-        self.0.segments = Some(segments);
-        self
-    }
-
-    /// The number of layers.
-    pub fn len(&self) -> usize {
-        self.0.layers.len()
-    }
-
-    /// Whether there are no layers.
-    pub fn is_empty(&self) -> bool {
-        self.0.layers.is_empty()
-    }
 }
+
+segmented_builder!(Sequential);
 
 impl Module for Sequential {
     fn forward(&self, xs: &Tensor) -> Tensor {
@@ -244,14 +253,6 @@ impl SequentialT {
         self
     }
 
-    /// Appends a closure.
-    pub fn add_fn<F>(self, f: F) -> Self
-    where
-        F: 'static + Fn(&Tensor) -> Tensor + Send,
-    {
-        self.add(tch::nn::func(f))
-    }
-
     /// Appends a closure that takes the train flag.
     pub fn add_fn_t<F>(self, f: F) -> Self
     where
@@ -259,23 +260,9 @@ impl SequentialT {
     {
         self.add(tch::nn::func_t(f))
     }
-
-    /// Splits the layers into `segments` segments (default: √N rounded up).
-    pub fn segments(mut self, segments: usize) -> Self {
-        self.0.segments = Some(segments);
-        self
-    }
-
-    /// The number of layers.
-    pub fn len(&self) -> usize {
-        self.0.layers.len()
-    }
-
-    /// Whether there are no layers.
-    pub fn is_empty(&self) -> bool {
-        self.0.layers.is_empty()
-    }
 }
+
+segmented_builder!(SequentialT);
 
 impl ModuleT for SequentialT {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {

@@ -42,6 +42,25 @@ impl Problem {
     }
 }
 
+type Builder = Box<dyn Fn(&nn::VarStore) -> Optimizer>;
+
+/// A builder for each optimizer of the crate: SGD (lr 0.05), Lion (`lion_lr`), AdamW8bit and
+/// Adafactor (lr 1e-2); `min_8bit_size` overrides AdamW8bit's (0: every parameter in 8 bits).
+fn every_optimizer(lion_lr: f64, min_8bit_size: Option<usize>) -> Vec<Builder> {
+    vec![
+        Box::new(|vs| Sgd::default().build(vs, 0.05).unwrap()),
+        Box::new(move |vs| Lion::default().build(vs, lion_lr).unwrap()),
+        Box::new(move |vs| {
+            let mut config = AdamW8bit::default();
+            if let Some(size) = min_8bit_size {
+                config.min_8bit_size = size;
+            }
+            config.build(vs, 1e-2).unwrap()
+        }),
+        Box::new(|vs| Adafactor::default().build(vs, 1e-2).unwrap()),
+    ]
+}
+
 fn assert_trains(build: impl FnOnce(&nn::VarStore) -> Optimizer) {
     let problem = Problem::new();
     let mut opt = build(&problem.vs);
@@ -308,12 +327,7 @@ fn adamw8bit_tracks_fp32_adamw() {
 
 #[test]
 fn zero_grad_frees_gradients_and_backward_step_works() {
-    let builders: [fn(&nn::VarStore) -> Optimizer; 4] = [
-        |vs| Sgd::default().build(vs, 0.05).unwrap(),
-        |vs| Lion::default().build(vs, 1e-3).unwrap(),
-        |vs| AdamW8bit::default().build(vs, 1e-2).unwrap(),
-        |vs| Adafactor::default().build(vs, 1e-2).unwrap(),
-    ];
+    let builders = every_optimizer(1e-3, None);
     for build in builders {
         let problem = Problem::new();
         let mut opt = build(&problem.vs);
@@ -359,19 +373,7 @@ fn set_lr_changes_the_step_size() {
 
 #[test]
 fn parameters_without_gradients_are_skipped() {
-    let builders: [fn(&nn::VarStore) -> Optimizer; 4] = [
-        |vs| Sgd::default().build(vs, 0.05).unwrap(),
-        |vs| Lion::default().build(vs, 1e-3).unwrap(),
-        |vs| {
-            AdamW8bit {
-                min_8bit_size: 0,
-                ..Default::default()
-            }
-            .build(vs, 1e-2)
-            .unwrap()
-        },
-        |vs| Adafactor::default().build(vs, 1e-2).unwrap(),
-    ];
+    let builders = every_optimizer(1e-3, Some(0));
     for build in builders {
         let vs = nn::VarStore::new(CPU);
         let used = vs.root().randn("used", &[16, 16], 0.0, 1.0);
@@ -445,19 +447,7 @@ fn clipping_matches_tch() {
 
 #[test]
 fn half_precision_parameters_step() {
-    let builders: [fn(&nn::VarStore) -> Optimizer; 4] = [
-        |vs| Sgd::default().build(vs, 0.05).unwrap(),
-        |vs| Lion::default().build(vs, 1e-2).unwrap(),
-        |vs| {
-            AdamW8bit {
-                min_8bit_size: 0,
-                ..Default::default()
-            }
-            .build(vs, 1e-2)
-            .unwrap()
-        },
-        |vs| Adafactor::default().build(vs, 1e-2).unwrap(),
-    ];
+    let builders = every_optimizer(1e-2, Some(0));
     for build in builders {
         let mut vs = nn::VarStore::new(CPU);
         let w = vs.root().randn("w", &[64, 80], 0.0, 1.0);

@@ -74,6 +74,43 @@ fn compare_misleads(body: &str) -> Option<String> {
 }
 
 impl Session {
+    /// Runs one version of the loop for `steps` steps and returns its measurements, or the
+    /// outcome that ends the comparison (a refusal, an interrupt, a crash).
+    fn compare_side(
+        &mut self,
+        name: &str,
+        code: &str,
+        steps: u32,
+        body_offset: usize,
+        io: &CellIo,
+    ) -> Result<Side, Box<CellOutcome>> {
+        let instrumented = rewrite::instrument_for_compare(code).map_err(|refusal| {
+            Box::new(CellOutcome {
+                error: Some(refused(refusal, body_offset)),
+                ..Default::default()
+            })
+        })?;
+        (io.output)(CellOutput::Stream(
+            StreamName::Stdout,
+            format!("── {name}: {steps} step(s) ──\n"),
+        ));
+        let outcome = self.run_cell_code(
+            &compare_cell(&instrumented, steps),
+            CellIo {
+                output: Arc::clone(&io.output),
+                input: None,
+            },
+        );
+        // An interrupt or a crash ends the comparison: the user asked to stop, or the process
+        // that ran cells is gone.
+        if let Some(error) = &outcome.error {
+            if matches!(error.ename.as_str(), "Interrupted" | "ChildProcessCrashed") {
+                return Err(Box::new(outcome));
+            }
+        }
+        Ok(measured(outcome))
+    }
+
     /// Runs a `%%optimize` cell.
     pub(super) fn optimize(
         &mut self,
@@ -104,34 +141,15 @@ impl Session {
         if let Some(why) = compare_misleads(source.body) {
             return fail(CellError::new("RewriteRefused", why));
         }
-        let mut sides = Vec::new();
-        for (name, code) in [("original", source.body), ("rewritten", &rewritten.code)] {
-            let instrumented = match rewrite::instrument_for_compare(code) {
-                Ok(instrumented) => instrumented,
-                Err(refusal) => return fail(refused(refusal, source.body_offset)),
-            };
-            (io.output)(CellOutput::Stream(
-                StreamName::Stdout,
-                format!("── {name}: {steps} step(s) ──\n"),
-            ));
-            let outcome = self.run_cell_code(
-                &compare_cell(&instrumented, steps),
-                CellIo {
-                    output: Arc::clone(&io.output),
-                    input: None,
-                },
-            );
-            // An interrupt or a crash ends the comparison: the user asked to stop, or the
-            // process that ran cells is gone.
-            if let Some(error) = &outcome.error {
-                if matches!(error.ename.as_str(), "Interrupted" | "ChildProcessCrashed") {
-                    return outcome;
-                }
-            }
-            sides.push(measured(outcome));
-        }
-        let rewritten_side = sides.pop().unwrap_or_else(|| Err("not run".into()));
-        let original_side = sides.pop().unwrap_or_else(|| Err("not run".into()));
+        let mut run = |name, code| self.compare_side(name, code, steps, source.body_offset, &io);
+        let original_side = match run("original", source.body) {
+            Ok(side) => side,
+            Err(stop) => return *stop,
+        };
+        let rewritten_side = match run("rewritten", &rewritten.code) {
+            Ok(side) => side,
+            Err(stop) => return *stop,
+        };
         (io.output)(CellOutput::Display(comparison_display(
             &flags,
             &original_side,

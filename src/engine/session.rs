@@ -33,6 +33,17 @@ fn binds(code: &str, name: &str) -> bool {
         .any(|w| w[0] == "let" && (w[1] == name || (w[1] == "mut" && w[2] == name)))
 }
 
+/// A magic's help (shown) or mistake (the cell's `MagicError`).
+fn magic_reply(reply: MagicReply, io: &CellIo) -> Result<(), CellError> {
+    match reply {
+        MagicReply::Help(help) => {
+            (io.output)(CellOutput::Stream(StreamName::Stdout, help + "\n"));
+            Ok(())
+        }
+        MagicReply::Error(message) => Err(CellError::new("MagicError", message)),
+    }
+}
+
 fn mode_name(mode: ProfileMode) -> &'static str {
     match mode {
         ProfileMode::Auto => "auto (after cells that changed memory)",
@@ -135,12 +146,8 @@ impl Session {
         if let Some(source) = magics::cell_magic(cell) {
             return match magics::parse_cell(&source) {
                 Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
-                Err(MagicReply::Help(help)) => {
-                    (io.output)(CellOutput::Stream(StreamName::Stdout, help + "\n"));
-                    CellOutcome::default()
-                }
-                Err(MagicReply::Error(message)) => CellOutcome {
-                    error: Some(CellError::new("MagicError", message)),
+                Err(reply) => CellOutcome {
+                    error: magic_reply(reply, &io).err(),
                     ..Default::default()
                 },
             };
@@ -177,6 +184,14 @@ impl Session {
             record.wall_seconds = Some(report.wall_seconds);
             Some(record)
         });
+        if let Some(error) = outcome.error.take() {
+            // Without a record (recording off, no runtime) libtorch's message can still tell.
+            let none = MemoryRecord::default();
+            outcome.error = Some(errors::out_of_memory(
+                error,
+                record.as_ref().unwrap_or(&none),
+            ));
+        }
         if let Some(record) = record {
             let show = match self.profile_mode {
                 ProfileMode::Always => true,
@@ -186,13 +201,7 @@ impl Session {
             if show {
                 outcome.memory_display = Some(report::cell_display(&record));
             }
-            if let Some(error) = outcome.error.take() {
-                outcome.error = Some(errors::out_of_memory(error, &record));
-            }
             self.records.push((self.runs, record));
-        } else if let Some(error) = outcome.error.take() {
-            // No record (recording off, no runtime): libtorch's message can still tell an OOM.
-            outcome.error = Some(errors::out_of_memory(error, &MemoryRecord::default()));
         }
         outcome
     }
@@ -252,8 +261,7 @@ impl Session {
                 let last = self.records.last().map(|(run, record)| (*run, record));
                 (io.output)(CellOutput::Display(report::summary_display(last)));
             }
-            Err(MagicReply::Help(help)) => show(help),
-            Err(MagicReply::Error(message)) => return Err(CellError::new("MagicError", message)),
+            Err(reply) => return magic_reply(reply, io),
         }
         Ok(())
     }

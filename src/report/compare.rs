@@ -29,57 +29,34 @@ fn bytes_or(value: Option<u64>, missing: &str) -> String {
 
 /// Rows of (what, original, rewritten).
 fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
-    let cell = |side: &Side, f: &dyn Fn(&CompareRun) -> String| match side {
-        Ok(run) => f(run),
-        Err(why) => format!("failed: {why}"),
+    // One row: `show` applied to each side that ran.
+    let row = |what: &str, show: &dyn Fn(&CompareRun) -> String| {
+        let cell = |side: &Side| match side {
+            Ok(run) => show(run),
+            Err(why) => format!("failed: {why}"),
+        };
+        (what.to_string(), cell(original), cell(rewritten))
     };
     let cuda_only = "– (CUDA-only)";
     let mut rows = vec![
-        (
-            "steps run".to_string(),
-            cell(original, &|r| r.losses.len().to_string()),
-            cell(rewritten, &|r| r.losses.len().to_string()),
+        row("steps run", &|r| r.losses.len().to_string()),
+        row("peak allocated", &|r| bytes_or(r.peak_allocated, cuda_only)),
+        row(
+            "… of which kept across steps (parameters, gradients, optimizer state)",
+            &|r| bytes_or(r.allocated_after_step, cuda_only),
         ),
-        (
-            "peak allocated".to_string(),
-            cell(original, &|r| bytes_or(r.peak_allocated, cuda_only)),
-            cell(rewritten, &|r| bytes_or(r.peak_allocated, cuda_only)),
+        row(
+            "… of which activations and temporaries (peak − kept, inferred)",
+            &|r| bytes_or(transient(r), cuda_only),
         ),
-        (
-            "… of which kept across steps (parameters, gradients, optimizer state)".to_string(),
-            cell(original, &|r| bytes_or(r.allocated_after_step, cuda_only)),
-            cell(rewritten, &|r| bytes_or(r.allocated_after_step, cuda_only)),
-        ),
-        (
-            "… of which activations and temporaries (peak − kept, inferred)".to_string(),
-            cell(original, &|r| bytes_or(transient(r), cuda_only)),
-            cell(rewritten, &|r| bytes_or(transient(r), cuda_only)),
-        ),
-        (
-            "peak reserved".to_string(),
-            cell(original, &|r| bytes_or(r.peak_reserved, cuda_only)),
-            cell(rewritten, &|r| bytes_or(r.peak_reserved, cuda_only)),
-        ),
-        (
-            "step time (median after the first)".to_string(),
-            cell(original, &|r| {
-                r.typical_step_seconds()
-                    .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
-            }),
-            cell(rewritten, &|r| {
-                r.typical_step_seconds()
-                    .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
-            }),
-        ),
-        (
-            "last loss".to_string(),
-            cell(original, &|r| {
-                r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
-            }),
-            cell(rewritten, &|r| {
-                r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
-            }),
-        ),
+        row("peak reserved", &|r| bytes_or(r.peak_reserved, cuda_only)),
+        row("step time (median after the first)", &|r| {
+            r.typical_step_seconds()
+                .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
+        }),
+        row("last loss", &|r| {
+            r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
+        }),
     ];
     if let (Ok(a), Ok(b)) = (original, rewritten) {
         let pairs: Vec<(f64, f64)> = a
