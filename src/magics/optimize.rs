@@ -82,21 +82,13 @@ pub struct OptimizeRequest {
 impl OptimizeArgs {
     /// Checks the values clap cannot, and converts to a request.
     pub fn validate(self) -> Result<OptimizeRequest, String> {
-        if let Some(Some(1)) = self.checkpoint {
-            return Err(
-                "--checkpoint 1: the last segment is not recomputed (backward needs its \
-                        activations at once), so one segment would checkpoint nothing; SEGMENTS \
-                        must be at least 2, or leave it out for √layers"
-                    .to_string(),
-            );
-        }
-        if let Some(Some(0)) = self.checkpoint {
-            return Err(
-                "--checkpoint 0: SEGMENTS is how many segments the model is split into \
-                        (each keeps only its input); it must be at least 1, or leave it out for \
-                        √layers"
-                    .to_string(),
-            );
+        if let Some(Some(n @ (0 | 1))) = self.checkpoint {
+            // The last segment is never recomputed: fewer than 2 would checkpoint nothing.
+            return Err(format!(
+                "--checkpoint {n}: SEGMENTS is how many segments the model is split into (each \
+                 keeps only its input); the last one is not recomputed (backward needs its \
+                 activations at once), so it must be at least 2, or leave it out for √layers"
+            ));
         }
         if let Some(k) = self.accumulate {
             if k < 2 {
@@ -214,7 +206,8 @@ mod tests {
         assert!(error("--accumulate 0").contains("at least 2"));
         assert!(error("--accumulate 1").contains("at least 2"));
         assert!(error("--compare 0 --amp bf16").contains("at least 1"));
-        assert!(error("--checkpoint 0").contains("at least 1"));
+        assert!(error("--checkpoint 0").contains("at least 2"));
+        assert!(error("--checkpoint 1").contains("at least 2"));
         let unknown = error("--optimizer adam");
         for valid in ["sgd", "lion", "adamw8bit", "adafactor"] {
             assert!(unknown.contains(valid), "{unknown}");
