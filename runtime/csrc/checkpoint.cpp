@@ -1,20 +1,32 @@
-// Activation checkpointing as a libtorch autograd Function (libtorch has no C++ checkpoint API).
-// Forward runs a Rust closure without keeping its activations; backward runs it again with grad
-// enabled, under the RNG and autocast state of the forward pass, and backpropagates through it.
-// Pitfalls found earlier (notes/libtorch.md): inputs go in as a TensorList, backward returns one
-// extra undefined gradient for the non-tensor argument, and at least one input must require
-// grad, so a zero-element dummy is passed along.
+// Activation checkpointing (libtorch has no C++ checkpoint API), the way PyTorch's non-reentrant
+// checkpoint works: the segment's forward runs with grad and builds its graph as usual, but every
+// tensor that graph saves for backward is replaced by a placeholder. The first placeholder
+// unpacked in backward runs the segment again, under the forward's RNG and autocast state, and
+// collects the tensors in the order they were saved, stopping the rerun as soon as the last one
+// is in: the ops after it (in a transformer block, the whole last matmul) are not recomputed.
+// Backward then goes through the forward's own graph, so `run_backward(…, inputs)` works.
+//
+// libtorch asks for saved-tensor hooks only through its autograd engine
+// (Engine::get_default_saved_variable_hooks, which gives none outside Python), so this file
+// installs an engine that differs from libtorch's in that one method.
+//
+// Stopping a rerun early throws from inside an op the Rust closure called; tch turns that into an
+// error, the closure panics, and the Rust side catches the panic (the panic hook keeps quiet about
+// it: see RECOMPUTE_COMPLETE).
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include "error.h"
 
-#include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 extern "C" {
 // Runs the segment on `input` (Rust takes ownership of it) and returns a new tensor that C++
@@ -27,21 +39,29 @@ typedef void (*tchmem_segment_drop)(void* data);
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+using torch::autograd::SavedVariableHooks;
 
-// The Rust closure, kept alive by the graph for as long as backward may need it.
-struct Segment : torch::CustomClassHolder {
+// The message of the exception that stops a rerun; checkpoint.rs knows it too.
+constexpr const char* RECOMPUTE_COMPLETE = "tchmem: checkpoint recompute complete";
+
+struct RecomputeComplete : std::exception {
+  const char* what() const noexcept override { return RECOMPUTE_COMPLETE; }
+};
+
+// The Rust closure.
+struct Segment {
   Segment(void* data, tchmem_segment_call call, tchmem_segment_drop drop)
       : data(data), call(call), drop(drop) {}
-  ~Segment() override { drop(data); }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() { drop(data); }
 
   at::Tensor run(const at::Tensor& input) const {
     // Autocast caches its low-precision copies of weights per thread, keyed by the weight and
-    // blind to in-place updates, until the outermost autocast region ends. A segment run from
-    // here must not use or fill that cache: the forward runs without grad (a cached copy would
-    // carry no graph into a later use of the same weight), and the recompute in backward runs
-    // on an autograd thread whose cache nobody clears (later steps would see old weights).
+    // blind to in-place updates, until the outermost autocast region ends. A segment must not
+    // use or fill that cache: in the forward it would keep copies alive that the placeholders
+    // are there to free, and the rerun in backward runs on an autograd thread whose cache nobody
+    // clears (later steps would see old weights).
     struct CacheOff {
       bool was = at::autocast::is_autocast_cache_enabled();
       CacheOff() { at::autocast::set_autocast_cache_enabled(false); }
@@ -80,83 +100,171 @@ struct AutocastState {
   }
 };
 
-at::Generator generator_for(const at::Device& device) {
-  return at::globalContext().defaultGenerator(device);
-}
-
 at::Tensor rng_state(const at::Device& device) {
-  auto gen = generator_for(device);
+  auto gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
 
 void set_rng_state(const at::Device& device, const at::Tensor& state) {
-  auto gen = generator_for(device);
+  auto gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
 }
 
-struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<Segment> segment,
-                               at::TensorList inputs) {
-    const at::Tensor& input = inputs[0];
-    ctx->saved_data["segment"] = c10::IValue::make_capsule(segment);
-    // Dropout and other random ops must draw the same numbers when recomputed.
-    ctx->saved_data["cpu_rng"] = rng_state(at::Device(at::kCPU));
-    if (input.is_cuda()) {
-      ctx->saved_data["cuda_rng"] = rng_state(input.device());
-    }
-    auto autocast = AutocastState::current();
-    ctx->saved_data["autocast_cuda"] = autocast.cuda_enabled;
-    ctx->saved_data["autocast_cpu"] = autocast.cpu_enabled;
-    ctx->saved_data["autocast_cuda_dtype"] = static_cast<int64_t>(autocast.cuda_dtype);
-    ctx->saved_data["autocast_cpu_dtype"] = static_cast<int64_t>(autocast.cpu_dtype);
-    ctx->save_for_backward({input});
-    return {segment->run(input)};
+// The RNG and autocast state a segment ran under.
+struct RunState {
+  at::Device device;
+  at::Tensor cpu_rng, cuda_rng;
+  AutocastState autocast;
+
+  static RunState current(const at::Device& device) {
+    RunState s{device, rng_state(at::Device(at::kCPU)), at::Tensor(), AutocastState::current()};
+    if (device.is_cuda()) s.cuda_rng = rng_state(device);
+    return s;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto saved = ctx->get_saved_variables();
-    auto segment = c10::static_intrusive_pointer_cast<Segment>(ctx->saved_data["segment"].toCapsule());
-    at::Tensor input = saved[0].detach();
-    input.requires_grad_(saved[0].requires_grad());
-
-    const at::Device cpu(at::kCPU);
-    const bool cuda = ctx->saved_data.count("cuda_rng") > 0;
-    at::Tensor cpu_now = rng_state(cpu);
-    at::Tensor cuda_now = cuda ? rng_state(input.device()) : at::Tensor();
-    set_rng_state(cpu, ctx->saved_data["cpu_rng"].toTensor());
-    if (cuda) set_rng_state(input.device(), ctx->saved_data["cuda_rng"].toTensor());
-    auto autocast_now = AutocastState::current();
-    AutocastState{ctx->saved_data["autocast_cuda"].toBool(),
-                  ctx->saved_data["autocast_cpu"].toBool(),
-                  static_cast<at::ScalarType>(ctx->saved_data["autocast_cuda_dtype"].toInt()),
-                  static_cast<at::ScalarType>(ctx->saved_data["autocast_cpu_dtype"].toInt())}
-        .apply();
-
-    at::Tensor output;
-    try {
-      at::AutoGradMode grad(true);
-      output = segment->run(input);
-    } catch (...) {
-      autocast_now.apply();
-      set_rng_state(cpu, cpu_now);
-      if (cuda) set_rng_state(input.device(), cuda_now);
-      throw;
-    }
-    autocast_now.apply();
-    set_rng_state(cpu, cpu_now);
-    if (cuda) set_rng_state(input.device(), cuda_now);
-
-    // Gradients of the parameters inside the segment accumulate into their .grad here.
-    if (output.requires_grad()) {
-      torch::autograd::backward({output}, {grad_outputs[0]});
-    }
-    at::Tensor input_grad = input.requires_grad() ? input.grad() : at::Tensor();
-    // One gradient per argument: the segment (none), the input, the dummy (none).
-    return {at::Tensor(), input_grad, at::Tensor()};
+  void apply() const {
+    set_rng_state(at::Device(at::kCPU), cpu_rng);
+    if (cuda_rng.defined()) set_rng_state(device, cuda_rng);
+    autocast.apply();
   }
 };
+
+// Applies a RunState until it ends, then restores the one before.
+struct RunStateGuard {
+  RunState before;
+  explicit RunStateGuard(const RunState& target) : before(RunState::current(target.device)) {
+    target.apply();
+  }
+  ~RunStateGuard() { before.apply(); }
+};
+
+// One checkpointed call of a segment: what its rerun needs, and the tensors a rerun collected
+// until backward takes them. Kept alive by its placeholders, i.e. by the graph.
+struct Frame : std::enable_shared_from_this<Frame> {
+  Frame(void* data, tchmem_segment_call call, tchmem_segment_drop drop)
+      : segment(data, call, drop) {}
+
+  Segment segment;
+  at::Tensor input;  // detached; shares the version counter
+  bool input_requires_grad = false;
+  int64_t input_version = 0;
+  std::unique_ptr<RunState> state;
+
+  // Placeholders made in the forward, and which of them were packed (libtorch asks for hooks
+  // for wrapped numbers too, then drops them unused).
+  size_t placeholders = 0;
+  std::vector<bool> packed;
+  size_t last_packed = 0;
+
+  std::mutex mutex;
+  std::vector<at::Tensor> recomputed;
+  size_t collectors = 0;  // collectors made by the rerun in progress
+
+  void collect(size_t index, const at::Tensor& tensor);
+  at::Tensor unpack(size_t index);
+  void recompute();
+};
+
+// The frame whose forward (or rerun) is running on this thread, innermost last.
+struct Active {
+  Frame* frame;
+  bool recomputing;
+};
+thread_local std::vector<Active> active_frames;
+
+struct ActiveGuard {
+  ActiveGuard(Frame* frame, bool recomputing) { active_frames.push_back({frame, recomputing}); }
+  ~ActiveGuard() { active_frames.pop_back(); }
+};
+
+// Saved in the forward in place of a tensor.
+struct Placeholder : SavedVariableHooks {
+  Placeholder(std::shared_ptr<Frame> frame, size_t index) : frame(std::move(frame)), index(index) {}
+  void call_pack_hook(const at::Tensor&) override {
+    frame->packed[index] = true;
+    frame->last_packed = index;
+  }
+  at::Tensor call_unpack_hook() override { return frame->unpack(index); }
+
+  std::shared_ptr<Frame> frame;
+  size_t index;
+};
+
+// Saved by the rerun: hands the tensor to the frame.
+struct Collector : SavedVariableHooks {
+  Collector(Frame* frame, size_t index) : frame(frame), index(index) {}
+  void call_pack_hook(const at::Tensor& tensor) override { frame->collect(index, tensor); }
+  at::Tensor call_unpack_hook() override {
+    TORCH_CHECK(false, "tchmem: a tensor saved by a checkpoint rerun was used in backward");
+  }
+
+  Frame* frame;
+  size_t index;
+};
+
+void Frame::collect(size_t index, const at::Tensor& tensor) {
+  if (index >= placeholders || !packed[index]) return;
+  recomputed[index] = tensor.detach();
+  if (index == last_packed) throw RecomputeComplete();
+}
+
+at::Tensor Frame::unpack(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex);
+  // A second backward through the graph (retain_graph) finds the tensor taken: rerun again.
+  if (index >= recomputed.size() || !recomputed[index].defined()) recompute();
+  TORCH_CHECK(recomputed[index].defined(),
+              "tchmem: a checkpointed segment saved different tensors when run again in backward "
+              "(it must be a pure function of its input and parameters)");
+  at::Tensor out = std::move(recomputed[index]);
+  recomputed[index] = at::Tensor();
+  return out;
+}
+
+void Frame::recompute() {
+  TORCH_CHECK(input._version() == input_version,
+              "tchmem: the input of a checkpointed segment was modified in place after the "
+              "segment ran; backward needs it unchanged (clone it before modifying it)");
+  recomputed.assign(placeholders, at::Tensor());
+  collectors = 0;
+  RunStateGuard state_guard(*state);
+  at::AutoGradMode grad(true);
+  ActiveGuard active(this, true);
+  at::Tensor rerun_input = input.detach();
+  rerun_input.requires_grad_(input_requires_grad);
+  try {
+    segment.run(rerun_input);
+  } catch (const std::exception&) {
+    // The rerun was stopped once the last saved tensor was in (the error comes back through
+    // the Rust closure as text); anything else is a real failure.
+    if (placeholders == 0 || !recomputed[last_packed].defined()) throw;
+  }
+}
+
+// libtorch's engine, asking the active frame for hooks.
+struct CheckpointEngine : torch::autograd::Engine {
+  CheckpointEngine() = default;
+  std::unique_ptr<SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (active_frames.empty()) return nullptr;
+    const Active& active = active_frames.back();
+    Frame* frame = active.frame;
+    if (active.recomputing) return std::make_unique<Collector>(frame, frame->collectors++);
+    frame->packed.push_back(false);
+    return std::make_unique<Placeholder>(frame->shared_from_this(), frame->placeholders++);
+  }
+};
+
+torch::autograd::Engine& checkpoint_engine() {
+  // Never destroyed: worker threads may outlive static destruction.
+  static auto* engine = new CheckpointEngine();
+  return *engine;
+}
+
+void install_engine() {
+  static std::once_flag once;
+  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&checkpoint_engine); });
+}
 
 }  // namespace
 
@@ -169,15 +277,19 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
                       const at::Tensor* input, at::Tensor** out, char* err, size_t err_len) {
   return tchmem::guarded(
       [&] {
-        auto segment = c10::make_intrusive<Segment>(data, call, drop);
+        install_engine();
+        auto frame = std::make_shared<Frame>(data, call, drop);
         if (!at::GradMode::is_enabled()) {
-          *out = new at::Tensor(segment->run(*input));
+          *out = new at::Tensor(frame->segment.run(*input));
           return;
         }
-        at::Tensor dummy = at::empty({0}, at::TensorOptions().device(input->device()));
-        dummy.requires_grad_(true);
-        auto outputs = CheckpointFunction::apply(segment, at::TensorList({*input, dummy}));
-        *out = new at::Tensor(outputs[0]);
+        frame->input = input->detach();
+        frame->input_requires_grad = input->requires_grad();
+        frame->input_version = input->_version();
+        // Dropout and other random ops must draw the same numbers when rerun.
+        frame->state = std::make_unique<RunState>(RunState::current(input->device()));
+        ActiveGuard active(frame.get(), false);
+        *out = new at::Tensor(frame->segment.run(*input));
       },
       err, err_len);
 }

@@ -1,6 +1,6 @@
 //! Activation checkpointing: a segment's activations are not kept for backward; backward runs the
-//! segment again (same dropout masks, same autocast) and backpropagates through it. Trades one
-//! extra forward pass for the memory of the segment's activations.
+//! segment again (same dropout masks, same autocast) up to the last tensor its backward needs.
+//! Trades most of one extra forward pass for the memory of the segment's activations.
 //!
 //! [`seq`] and [`seq_t`] build models exactly like tch's `nn::seq()` / `nn::seq_t()`, split into
 //! segments (√N by default) of which all but the last are checkpointed:
@@ -38,6 +38,28 @@ extern "C" {
     ) -> c_int;
 }
 
+/// The message with which the shim stops a rerun once it has every tensor backward needs
+/// (csrc/checkpoint.cpp): the segment's next tch call fails with it and the closure panics.
+const RECOMPUTE_COMPLETE: &str = "tchmem: checkpoint recompute complete";
+
+/// Whether a panic is a rerun being stopped on purpose (nobody needs to hear about it).
+pub(crate) fn is_rerun_stop(payload: &(dyn std::any::Any + Send)) -> bool {
+    ffi::panic_text(payload).contains(RECOMPUTE_COMPLETE)
+}
+
+/// Keeps the panic hook in place quiet about stopped reruns (the kernel's own hook is too).
+fn quiet_rerun_stops() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !is_rerun_stop(info.payload()) {
+                previous(info)
+            }
+        }));
+    });
+}
+
 /// Runs the segment for the shim, which may call from an autograd thread. A panic is caught
 /// (it must not unwind into C++) and reported as an error, which libtorch raises.
 extern "C" fn call_segment(
@@ -70,13 +92,14 @@ extern "C" fn drop_segment(data: *mut c_void) {
 }
 
 /// Runs `segment` on `input` without keeping its activations for backward; backward runs it
-/// again. The closure must be a pure function of its input and the parameters it captures
-/// (random ops are replayed with the same RNG state). Without grad mode it simply runs.
+/// again, stopping as soon as it has the last tensor backward needs (as PyTorch's non-reentrant
+/// checkpoint does). The closure must be a pure function of its input and the parameters it
+/// captures (random ops are replayed with the same RNG state and autocast settings). Without
+/// grad mode it simply runs.
 ///
-/// Like PyTorch's reentrant checkpoint, the recompute backpropagates into the parameters'
-/// `.grad` itself: `loss.backward()` and optimizers work; gradients of parameters inside a
-/// segment through `Tensor::run_backward(…, inputs)` and double backward (`create_graph`) do
-/// not.
+/// The forward builds the segment's graph as usual (only the tensors it saves are dropped), so
+/// `loss.backward()`, optimizers and `Tensor::run_backward(…, inputs)` work as without
+/// checkpointing; double backward (`create_graph`) through a segment does not.
 ///
 /// # Panics
 /// If the segment panics or libtorch reports an error (the message is passed on).
@@ -84,6 +107,7 @@ pub fn checkpoint<F>(segment: F, input: &Tensor) -> Tensor
 where
     F: Fn(&Tensor) -> Tensor + Send + 'static,
 {
+    quiet_rerun_stops();
     let boxed: Box<SegmentFn> = Box::new(Box::new(segment));
     let data = Box::into_raw(boxed) as *mut c_void;
     let mut out: *mut C_tensor = std::ptr::null_mut();

@@ -9,6 +9,9 @@ pub fn install() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         std::panic::set_hook(Box::new(|info| {
+            if crate::checkpoint::is_rerun_stop(info.payload()) {
+                return;
+            }
             let message = if let Some(text) = info.payload().downcast_ref::<&str>() {
                 (*text).to_string()
             } else if let Some(text) = info.payload().downcast_ref::<String>() {

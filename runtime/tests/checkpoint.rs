@@ -163,7 +163,8 @@ fn a_segment_failing_in_backward_surfaces_as_an_error() {
             if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1 {
                 panic!("recompute broke");
             }
-            x * 2
+            // Saves x for backward, so backward reruns the segment.
+            x * x
         },
         &x,
     );
@@ -233,4 +234,45 @@ fn checkpointing_under_autocast_trains_like_the_plain_model_over_several_steps()
         let diff = (&p - &variables[&name]).abs().max().double_value(&[]);
         assert!(diff <= 1e-6, "{name} differs by {diff}");
     }
+}
+
+#[test]
+fn the_rerun_stops_after_the_last_tensor_backward_needs() {
+    let _turn = rng_turn();
+    let x = Tensor::randn([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let after_last_save = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = after_last_save.clone();
+    let y = tchmem::checkpoint::checkpoint(
+        move |x| {
+            // `sin` saves x; nothing after it saves anything, so the rerun ends inside `sin`.
+            let h = x.sin();
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            h * 3.0 + 1.0
+        },
+        &x,
+    );
+    y.sum(Kind::Float).backward();
+    assert_eq!(
+        after_last_save.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the code after the last saving op ran again in backward"
+    );
+    let expected = x.cos() * 3.0;
+    let diff = (x.grad() - expected).abs().max().double_value(&[]);
+    assert!(diff <= 1e-6, "gradient differs by {diff}");
+}
+
+#[test]
+fn gradients_for_chosen_inputs_reach_parameters_inside_a_segment() {
+    let _turn = rng_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root() / "l", 3, 2, Default::default());
+    let x = Tensor::randn([5, 3], (Kind::Float, Device::Cpu));
+    let plain = layer.forward(&x).tanh().sum(Kind::Float);
+    let expected = Tensor::run_backward(&[plain], &[&layer.ws], false, false);
+    let ws = layer.ws.shallow_clone();
+    let y = tchmem::checkpoint::checkpoint(move |x| layer.forward(x).tanh(), &x);
+    let got = Tensor::run_backward(&[y.sum(Kind::Float)], &[&ws], false, false);
+    let diff = (&got[0] - &expected[0]).abs().max().double_value(&[]);
+    assert!(diff <= 1e-6, "weight gradient differs by {diff}");
 }
