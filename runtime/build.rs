@@ -16,6 +16,7 @@ fn main() {
         .file("csrc/memory.cpp")
         .file("csrc/checkpoint.cpp")
         .file("csrc/autocast.cpp")
+        .file("csrc/adam.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

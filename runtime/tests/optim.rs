@@ -3,7 +3,7 @@
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tchmem::optim::{Adafactor, AdamW8bit, Lion, Optimizer, Sgd, Step};
+use tchmem::optim::{Adafactor, Adam, AdamW, AdamW8bit, Lion, Optimizer, Sgd, Step};
 
 const CPU: Device = Device::Cpu;
 
@@ -58,6 +58,7 @@ fn every_optimizer(lion_lr: f64, min_8bit_size: Option<usize>) -> Vec<Builder> {
             config.build(vs, 1e-2).unwrap()
         }),
         Box::new(|vs| Adafactor::default().build(vs, 1e-2).unwrap()),
+        Box::new(|vs| AdamW::default().build(vs, 1e-2).unwrap()),
     ]
 }
 
@@ -465,6 +466,7 @@ fn half_precision_parameters_step() {
             "Sgd" => 4 * 64 * 80,
             "Lion" => 2 * 64 * 80, // in the parameter's kind
             "AdamW8bit" => adamw8bit_bytes(&[64 * 80]),
+            "AdamW" => 2 * 2 * 64 * 80 + 4, // both moments in the parameter's kind, f32 step
             _ => 4 * (64 + 80),
         };
         assert_eq!(opt.state_bytes(), expected, "{}", opt.name());
@@ -511,4 +513,80 @@ fn invalid_configs_are_errors() {
     }
     .build(&vs, 1e-3)
     .is_err());
+}
+
+/// Trains the problem for 6 steps with tch's optimizer and with ours; the largest parameter
+/// difference after them.
+fn difference_from_tch(
+    tch_opt: impl Fn(&nn::VarStore) -> nn::Optimizer,
+    ours: impl Fn(&nn::VarStore) -> Optimizer,
+) -> f64 {
+    let reference = Problem::new();
+    let fused = Problem::new();
+    let mut a = tch_opt(&reference.vs);
+    let mut b = ours(&fused.vs);
+    for _ in 0..6 {
+        a.backward_step(&reference.loss());
+        b.backward_step(&fused.loss());
+    }
+    let theirs = reference.vs.variables();
+    fused
+        .vs
+        .variables()
+        .iter()
+        .map(|(name, p)| (p - &theirs[name]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn fused_adam_and_adamw_match_tchs_optimizers() {
+    use tch::nn::OptimizerConfig;
+    let lr = 1e-2;
+    let adamw = difference_from_tch(
+        |vs| nn::AdamW::default().build(vs, lr).unwrap(),
+        |vs| AdamW::default().build(vs, lr).unwrap(),
+    );
+    assert!(adamw <= 1e-6, "AdamW differs from tch's by {adamw}");
+    let adam_l2_amsgrad = difference_from_tch(
+        |vs| {
+            nn::Adam {
+                wd: 0.1,
+                amsgrad: true,
+                ..Default::default()
+            }
+            .build(vs, lr)
+            .unwrap()
+        },
+        |vs| {
+            Adam {
+                wd: 0.1,
+                amsgrad: true,
+                ..Default::default()
+            }
+            .build(vs, lr)
+            .unwrap()
+        },
+    );
+    assert!(
+        adam_l2_amsgrad <= 1e-6,
+        "Adam (L2, amsgrad) differs from tch's by {adam_l2_amsgrad}"
+    );
+    // Not vacuous: the parameters moved by far more than the tolerance.
+    let moved = difference_from_tch(
+        |vs| nn::Sgd::default().build(vs, 0.0).unwrap(),
+        |vs| AdamW::default().build(vs, lr).unwrap(),
+    );
+    assert!(moved > 1e-3, "AdamW moved the parameters by only {moved}");
+}
+
+#[test]
+fn fused_adamw_keeps_two_moments_and_a_step_per_parameter() {
+    let (vs, loss) = mixed_model();
+    let mut opt = AdamW::default().build(&vs, 1e-3).unwrap();
+    let parameters = vs.trainable_variables().len() as u64;
+    assert_eq!(
+        state_bytes(&mut opt, &loss),
+        (0, 8 * MIXED_PARAMS + 4 * parameters)
+    );
+    assert_eq!(opt.name(), "AdamW");
 }

@@ -11,8 +11,9 @@
 //! let mut opt = tchmem::optim::Lion::default().build(&vs, 1e-4).unwrap();
 //! ```
 //!
-//! The algorithms: [`Sgd`] (with momentum), [`Lion`], [`AdamW8bit`] (block-wise 8-bit moments)
-//! and [`Adafactor`] (factored second moment). All update in place under no-grad, on any device,
+//! The algorithms: [`Sgd`] (with momentum), [`Lion`], [`AdamW8bit`] (block-wise 8-bit moments),
+//! [`Adafactor`] (factored second moment), and [`Adam`] / [`AdamW`] (tch's, on torch's fused
+//! kernels). All update in place under no-grad, on any device,
 //! for parameters of any float kind, and skip parameters that have no gradient.
 
 use std::sync::{Arc, Mutex};
@@ -20,11 +21,13 @@ use std::sync::{Arc, Mutex};
 use tch::{nn, COptimizer, Kind, TchError, Tensor};
 
 mod adafactor;
+mod adam;
 mod adamw8bit;
 mod lion;
 mod sgd;
 
 pub use adafactor::Adafactor;
+pub use adam::{Adam, AdamW};
 pub use adamw8bit::AdamW8bit;
 pub use lion::Lion;
 pub use sgd::Sgd;
