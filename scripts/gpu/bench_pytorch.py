@@ -89,6 +89,9 @@ CONFIGS = {
     "checkpoint": dict(checkpoint=True),
     "bf16": dict(amp=torch.bfloat16),
     "f16": dict(amp=torch.float16),
+    # The same as bf16/f16 here; in gpt_bench.rs they keep tch's AdamW.
+    "bf16-tch-adamw": dict(amp=torch.bfloat16),
+    "f16-tch-adamw": dict(amp=torch.float16),
     "accumulate4": dict(micro_batches=4),
     "sgd": dict(optimizer="sgd"),
     "lion": dict(optimizer="lion"),
@@ -97,15 +100,20 @@ CONFIGS = {
 }
 
 
-# --single-tensor-adamw: AdamW's per-parameter implementation (foreach=False), the way libtorch's
-# C++ AdamW (tch's nn::AdamW) works, to tell the optimizer's share of a step-time gap apart.
-SINGLE_TENSOR_ADAMW = False
+# --adamw: which of PyTorch's AdamW implementations: "default" (multi-tensor, foreach),
+# "single-tensor" (per parameter, the way libtorch's C++ AdamW, tch's nn::AdamW, works) or
+# "fused" (one kernel, as tchmem::optim::AdamW).
+ADAMW = "default"
+# --no-early-stop: checkpointing reruns each segment to its end (PyTorch stops a rerun once it
+# has the last tensor backward needs; so does tchmem's checkpoint).
+EARLY_STOP = True
 
 
 def optimizer(name, params, lr=3e-4):
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01,
-                                 foreach=False if SINGLE_TENSOR_ADAMW else None)
+        implementation = {"default": {}, "single-tensor": dict(foreach=False),
+                          "fused": dict(fused=True)}[ADAMW]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **implementation)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "lion":
@@ -150,7 +158,8 @@ def run(name, steps, batch, seq, layers):
     return {
         "framework": "pytorch",
         "config": name,
-        "adamw": "single-tensor" if SINGLE_TENSOR_ADAMW else "default (multi-tensor)",
+        "adamw": ADAMW,
+        "checkpoint_early_stop": EARLY_STOP,
         "parameters": sum(p.numel() for p in model.parameters()),
         "batch": batch, "seq": seq, "layers": layers, "steps": steps,
         "peak_allocated": torch.cuda.max_memory_allocated(),
@@ -167,16 +176,20 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=13)
-    parser.add_argument("--single-tensor-adamw", action="store_true")
+    parser.add_argument("--adamw", choices=["default", "single-tensor", "fused"], default="default")
+    parser.add_argument("--no-early-stop", action="store_true")
     parser.add_argument("configs", nargs="*", default=list(CONFIGS))
     args = parser.parse_args()
-    global SINGLE_TENSOR_ADAMW
-    SINGLE_TENSOR_ADAMW = args.single_tensor_adamw
+    global ADAMW, EARLY_STOP
+    ADAMW = args.adamw
+    EARLY_STOP = not args.no_early_stop
     for name in args.configs:
         if name not in CONFIGS:
             print(json.dumps({"framework": "pytorch", "config": name, "skipped": "no PyTorch counterpart"}))
             continue
-        print(json.dumps(run(name, args.steps, args.batch, args.seq, args.layers)), flush=True)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(EARLY_STOP):
+            result = run(name, args.steps, args.batch, args.seq, args.layers)
+        print(json.dumps(result), flush=True)
         torch.cuda.empty_cache()
 
 
