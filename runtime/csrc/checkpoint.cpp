@@ -8,7 +8,7 @@
 //
 // libtorch asks for saved-tensor hooks only through its autograd engine
 // (Engine::get_default_saved_variable_hooks, which gives none outside Python), so this file
-// installs an engine that differs from libtorch's in that one method.
+// installs an engine that answers that one question and passes all work to libtorch's.
 //
 // Stopping a rerun early throws from inside an op the Rust closure called; tch turns that into an
 // error, the closure panics, and the Rust side catches the panic (the panic hook keeps quiet about
@@ -17,6 +17,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/input_buffer.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
@@ -242,9 +243,25 @@ void Frame::recompute() {
   }
 }
 
-// libtorch's engine, asking the active frame for hooks.
+// Asks the active frame for hooks, and hands every backward to libtorch's own engine: an
+// engine's worker threads are started once per process, whichever engine came first, so this
+// one must never run a graph itself (it would find no threads for CUDA work).
 struct CheckpointEngine : torch::autograd::Engine {
   CheckpointEngine() = default;
+  torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
+                                         const torch::autograd::variable_list& inputs,
+                                         bool keep_graph, bool create_graph, bool accumulate_grad,
+                                         const torch::autograd::edge_list& outputs) override {
+    return Engine::get_base_engine().execute(roots, inputs, keep_graph, create_graph,
+                                             accumulate_grad, outputs);
+  }
+  c10::intrusive_ptr<at::ivalue::Future> execute_with_graph_task(
+      const std::shared_ptr<torch::autograd::GraphTask>& graph_task,
+      std::shared_ptr<torch::autograd::Node> graph_root,
+      torch::autograd::InputBuffer&& input_buffer) override {
+    return Engine::get_base_engine().execute_with_graph_task(graph_task, std::move(graph_root),
+                                                             std::move(input_buffer));
+  }
   std::unique_ptr<SavedVariableHooks> get_default_saved_variable_hooks() override {
     if (active_frames.empty()) return nullptr;
     const Active& active = active_frames.back();

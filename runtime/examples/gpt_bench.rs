@@ -147,6 +147,24 @@ impl Step for Opt {
     }
 }
 
+/// With GPT_BENCH_PHASES=1: (point, allocated, peak allocated) at each point of the run, to find
+/// where two frameworks' memory first differs (bench_pytorch.py records the same points).
+struct Phases(Option<Vec<serde_json::Value>>);
+
+impl Phases {
+    fn new() -> Phases {
+        Phases((std::env::var("GPT_BENCH_PHASES").as_deref() == Ok("1")).then(Vec::new))
+    }
+    fn mark(&mut self, point: &str) {
+        if let Some(points) = &mut self.0 {
+            tch::Cuda::synchronize(0);
+            if let Ok(s) = tchmem::cuda_stats::device_stats(0) {
+                points.push(serde_json::json!([point, s.current.allocated, s.peak.allocated]));
+            }
+        }
+    }
+}
+
 fn sync(device: Device) {
     if device.is_cuda() {
         tch::Cuda::synchronize(0);
@@ -229,9 +247,11 @@ pub fn run(
     device: Device,
 ) -> serde_json::Value {
     let cfg = config(name);
+    let mut phases = Phases::new();
     tch::manual_seed(0);
     let vs = nn::VarStore::new(device);
     let model = Gpt::new(&vs, layers, seq, cfg.checkpoint);
+    phases.mark("model");
     let parameters: i64 = vs
         .trainable_variables()
         .iter()
@@ -242,7 +262,9 @@ pub fn run(
     let idx = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
     let targets = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
     sync(device);
+    phases.mark("data");
     let _ = tchmem::cuda_stats::reset_peak_stats(0);
+    phases.mark("reset");
 
     let mut times = Vec::new();
     let mut losses = Vec::new();
@@ -256,10 +278,12 @@ pub fn run(
                 None => model.loss(&x, &y),
             };
             let loss = loss * weight;
+            phases.mark("forward");
             match &scaler {
                 Some(s) => s.scale(&loss).backward(),
                 None => loss.backward(),
             }
+            phases.mark("backward");
             total += loss.double_value(&[]);
         }
         match scaler.as_mut() {
@@ -269,6 +293,7 @@ pub fn run(
             None => opt.step(),
         }
         sync(device);
+        phases.mark("step");
         times.push(start.elapsed().as_secs_f64());
         losses.push(total);
     }
@@ -291,6 +316,7 @@ pub fn run(
         "median_step_seconds": sorted.get(sorted.len() / 2),
         "losses": losses,
         "optimizer_state_bytes": state_bytes,
+        "phases": phases.0,
     })
 }
 

@@ -466,7 +466,7 @@ fn half_precision_parameters_step() {
             "Sgd" => 4 * 64 * 80,
             "Lion" => 2 * 64 * 80, // in the parameter's kind
             "AdamW8bit" => adamw8bit_bytes(&[64 * 80]),
-            "AdamW" => 2 * 2 * 64 * 80 + 4, // both moments in the parameter's kind, f32 step
+            "AdamW" => 2 * 2 * 64 * 80 + 4, // both moments in the parameter's kind, an f32 step
             _ => 4 * (64 + 80),
         };
         assert_eq!(opt.state_bytes(), expected, "{}", opt.name());

@@ -8,6 +8,7 @@ configuration, in the same format, for scripts/gpu/compare-gpt.
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -87,9 +88,11 @@ class Lion(torch.optim.Optimizer):
 CONFIGS = {
     "plain": dict(),
     "checkpoint": dict(checkpoint=True),
-    "bf16": dict(amp=torch.bfloat16),
-    "f16": dict(amp=torch.float16),
-    # The same as bf16/f16 here; in gpt_bench.rs they keep tch's AdamW.
+    # %%optimize --amp swaps tch's AdamW for tchmem's fused one; PyTorch's fused AdamW is the
+    # like-for-like (and the faster) counterpart.
+    "bf16": dict(amp=torch.bfloat16, optimizer="adamw-fused"),
+    "f16": dict(amp=torch.float16, optimizer="adamw-fused"),
+    # Mixed precision with the default AdamW (gpt_bench.rs: with tch's own AdamW).
     "bf16-tch-adamw": dict(amp=torch.bfloat16),
     "f16-tch-adamw": dict(amp=torch.float16),
     "accumulate4": dict(micro_batches=4),
@@ -110,6 +113,8 @@ EARLY_STOP = True
 
 
 def optimizer(name, params, lr=3e-4):
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
     if name == "adamw":
         implementation = {"default": {}, "single-tensor": dict(foreach=False),
                           "fused": dict(fused=True)}[ADAMW]
@@ -126,14 +131,25 @@ def optimizer(name, params, lr=3e-4):
 def run(name, steps, batch, seq, layers):
     cfg = dict(checkpoint=False, amp=None, micro_batches=1, optimizer="adamw")
     cfg.update(CONFIGS[name])
+    # GPT_BENCH_PHASES=1: (point, allocated, peak) at the points gpt_bench.rs marks too.
+    phases = [] if os.environ.get("GPT_BENCH_PHASES") == "1" else None
+
+    def mark(point):
+        if phases is not None:
+            torch.cuda.synchronize()
+            phases.append([point, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()])
+
     torch.manual_seed(0)
     model = Gpt(layers, seq, cfg["checkpoint"]).cuda()
+    mark("model")
     opt = optimizer(cfg["optimizer"], model.parameters())
     scaler = torch.amp.GradScaler("cuda") if cfg["amp"] == torch.float16 else None
     idx = torch.randint(VOCAB, (batch, seq), device="cuda")
     targets = torch.randint(VOCAB, (batch, seq), device="cuda")
     torch.cuda.synchronize()
+    mark("data")
     torch.cuda.reset_peak_memory_stats()
+    mark("reset")
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -144,7 +160,9 @@ def run(name, steps, batch, seq, layers):
             with torch.autocast("cuda", dtype=cfg["amp"] or torch.float32, enabled=cfg["amp"] is not None):
                 loss = model.loss(x, y)
             loss = loss * weight
+            mark("forward")
             (scaler.scale(loss) if scaler else loss).backward()
+            mark("backward")
             total += loss.item()
         if scaler:
             scaler.step(opt)
@@ -152,12 +170,14 @@ def run(name, steps, batch, seq, layers):
         else:
             opt.step()
         torch.cuda.synchronize()
+        mark("step")
         times.append(time.perf_counter() - start)
         losses.append(total)
     later = sorted(times[1:])
     return {
         "framework": "pytorch",
         "config": name,
+        "optimizer": cfg["optimizer"],
         "adamw": ADAMW,
         "checkpoint_early_stop": EARLY_STOP,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -167,6 +187,7 @@ def run(name, steps, batch, seq, layers):
         "step_seconds": times,
         "median_step_seconds": later[len(later) // 2] if later else None,
         "losses": losses,
+        "phases": phases,
     }
 
 

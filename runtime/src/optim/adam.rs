@@ -34,7 +34,7 @@ extern "C" {
 /// Adam with an L2 penalty added to the gradient, as tch's `nn::Adam` (same defaults).
 ///
 /// State: two moments per parameter in the parameter's kind (8 bytes per f32 element; 12 with
-/// `amsgrad`) and a step counter, created at the parameter's first step.
+/// `amsgrad`) and a 4-byte step count, created at the parameter's first step.
 ///
 /// ```no_run
 /// # use tch::{nn, Device};
@@ -133,7 +133,8 @@ struct Moments {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Option<Tensor>,
-    /// f32 scalar on the parameter's device, as the fused kernels read it.
+    /// Its step count: an f32 scalar on the parameter's device, as the fused kernels read it,
+    /// viewed into a buffer shared with the parameters that started at the same step.
     step: Tensor,
 }
 
@@ -141,6 +142,9 @@ struct FusedAdam {
     config: AdamW,
     decoupled: bool,
     state: Vec<Option<Moments>>,
+    /// The buffers the step counts live in: one small allocation for a whole model instead of
+    /// one 512-byte block per parameter.
+    step_buffers: Vec<Tensor>,
 }
 
 impl FusedAdam {
@@ -164,30 +168,57 @@ impl FusedAdam {
                 config,
                 decoupled,
                 state: Vec::new(),
+                step_buffers: Vec::new(),
             }),
         )
+    }
+}
+
+impl FusedAdam {
+    /// Gives the parameters about to take their first step (they have a gradient and no state)
+    /// zero moments, and step counts in one new buffer per device.
+    fn start_new_parameters(&mut self, params: &[Tensor]) {
+        let new: Vec<usize> = (0..params.len())
+            .filter(|&i| self.state[i].is_none() && params[i].grad().defined())
+            .collect();
+        let mut devices: Vec<tch::Device> = Vec::new();
+        for &i in &new {
+            if !devices.contains(&params[i].device()) {
+                devices.push(params[i].device());
+            }
+        }
+        for device in devices {
+            let here: Vec<usize> = new
+                .iter()
+                .copied()
+                .filter(|&i| params[i].device() == device)
+                .collect();
+            let buffer = Tensor::zeros([here.len() as i64], (Kind::Float, device));
+            for (slot, &i) in here.iter().enumerate() {
+                let p = &params[i];
+                let zeros = || tch::no_grad(|| p.zeros_like());
+                self.state[i] = Some(Moments {
+                    exp_avg: zeros(),
+                    exp_avg_sq: zeros(),
+                    max_exp_avg_sq: self.config.amsgrad.then(zeros),
+                    step: buffer.select(0, slot as i64),
+                });
+            }
+            self.step_buffers.push(buffer);
+        }
     }
 }
 
 impl Algorithm for FusedAdam {
     fn update(&mut self, params: &[Tensor], lr: f64) {
         grow(&mut self.state, params.len());
-        let amsgrad = self.config.amsgrad;
+        self.start_new_parameters(params);
         let mut lists: [Vec<*mut C_tensor>; 5] = Default::default();
         let mut params_with_grad: Vec<Tensor> = Vec::new();
         for (p, state) in params.iter().zip(&mut self.state) {
-            if !p.grad().defined() {
+            let Some(moments) = state.as_mut().filter(|_| p.grad().defined()) else {
                 continue;
-            }
-            let moments = state.get_or_insert_with(|| {
-                let zeros = || tch::no_grad(|| p.zeros_like());
-                Moments {
-                    exp_avg: zeros(),
-                    exp_avg_sq: zeros(),
-                    max_exp_avg_sq: amsgrad.then(zeros),
-                    step: Tensor::zeros([], (Kind::Float, p.device())),
-                }
-            });
+            };
             params_with_grad.push(p.shallow_clone());
             lists[1].push(moments.exp_avg.as_mut_ptr());
             lists[2].push(moments.exp_avg_sq.as_mut_ptr());
@@ -208,7 +239,7 @@ impl Algorithm for FusedAdam {
             beta2,
             wd,
             eps,
-            ..
+            amsgrad,
         } = self.config;
         ffi::call(|err, len| unsafe {
             tchmem_fused_adam(
@@ -233,11 +264,12 @@ impl Algorithm for FusedAdam {
     }
 
     fn state_bytes(&self) -> u64 {
-        bytes(self.state.iter().flatten().flat_map(|m| {
-            [Some(&m.exp_avg), Some(&m.exp_avg_sq), m.max_exp_avg_sq.as_ref(), Some(&m.step)]
+        let moments = self.state.iter().flatten().flat_map(|m| {
+            [Some(&m.exp_avg), Some(&m.exp_avg_sq), m.max_exp_avg_sq.as_ref()]
                 .into_iter()
                 .flatten()
-        }))
+        });
+        bytes(moments.chain(&self.step_buffers))
     }
 
     fn name(&self) -> &'static str {
