@@ -159,7 +159,11 @@ impl Phases {
         if let Some(points) = &mut self.0 {
             tch::Cuda::synchronize(0);
             if let Ok(s) = tchmem::cuda_stats::device_stats(0) {
-                points.push(serde_json::json!([point, s.current.allocated, s.peak.allocated]));
+                points.push(serde_json::json!([
+                    point,
+                    s.current.allocated,
+                    s.peak.allocated
+                ]));
             }
         }
     }
@@ -194,12 +198,20 @@ fn config(name: &str) -> Config {
         // As `%%optimize --amp` rewrites a loop: tch's AdamW becomes tchmem's fused one.
         "bf16" | "bf16-tch-adamw" => Config {
             amp: Some(Kind::BFloat16),
-            optimizer: if name == "bf16" { "adamw-fused" } else { "adamw" },
+            optimizer: if name == "bf16" {
+                "adamw-fused"
+            } else {
+                "adamw"
+            },
             ..plain
         },
         "f16" | "f16-tch-adamw" => Config {
             amp: Some(Kind::Half),
-            optimizer: if name == "f16" { "adamw-fused" } else { "adamw" },
+            optimizer: if name == "f16" {
+                "adamw-fused"
+            } else {
+                "adamw"
+            },
             ..plain
         },
         "accumulate4" => Config {
@@ -312,6 +324,8 @@ pub fn run(
         "batch": batch, "seq": seq, "layers": layers, "steps": steps,
         "peak_allocated": stats.map(|s| s.peak.allocated),
         "peak_reserved": stats.map(|s| s.peak.reserved),
+        // Bytes asked for, before the allocator's rounding and block slack.
+        "peak_requested": stats.map(|s| s.peak.requested),
         "step_seconds": times,
         "median_step_seconds": sorted.get(sorted.len() / 2),
         "losses": losses,

@@ -184,6 +184,7 @@ def run(name, steps, batch, seq, layers):
         "batch": batch, "seq": seq, "layers": layers, "steps": steps,
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
+        "peak_requested": torch.cuda.memory_stats()["requested_bytes.all.peak"],
         "step_seconds": times,
         "median_step_seconds": later[len(later) // 2] if later else None,
         "losses": losses,

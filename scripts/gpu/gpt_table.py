@@ -1,5 +1,7 @@
 """Ratio table of the GPT benchmark: ours (tch) / PyTorch per technique, peak memory and step
-time, plus each run's peak against its own framework's plain run.
+time, plus each run's peak against its own framework's plain run. Peaks are the allocator's
+allocated bytes (block sizes); "requested Δ" compares the bytes asked for, which leaves out the
+allocator's rounding and the slack of reused blocks.
 
     python3 gpt_table.py gpt-tch.jsonl gpt-pytorch.jsonl
 """
@@ -27,8 +29,8 @@ def main(ours_path, theirs_path):
     any_run = next(iter(ours.values()))
     print(f"GPT, {any_run['parameters'] / 1e6:.1f}M parameters, batch {any_run['batch']}×{any_run['seq']}, "
           f"{any_run['layers']} layers, {any_run['steps']} steps; step time = median after the first step\n")
-    print("| technique | peak GiB ours | peak GiB PyTorch | peak ratio | peak Δ MiB | step ms ours | step ms PyTorch | time ratio | plain/peak ours | plain/peak PyTorch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| technique | peak GiB ours | peak GiB PyTorch | peak ratio | peak Δ MiB | requested Δ MiB | step ms ours | step ms PyTorch | time ratio | plain/peak ours | plain/peak PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in ours.items():
         other = theirs.get(name, {})
         if other.get("skipped"):
@@ -41,9 +43,11 @@ def main(ours_path, theirs_path):
                        if "plain" in theirs and other.get("peak_allocated") else None)
         peak_delta = ((run["peak_allocated"] - other["peak_allocated"]) / 2**20
                       if other.get("peak_allocated") else None)
+        requested_delta = ((run["peak_requested"] - other["peak_requested"]) / 2**20
+                           if run.get("peak_requested") and other.get("peak_requested") else None)
         fmt = lambda x, spec: format(x, spec) if x is not None else "–"
         print(f"| {name} | {gib(run['peak_allocated'])} | {gib(other.get('peak_allocated'))} | {fmt(peak_ratio, '.4f')} | "
-              f"{fmt(peak_delta, '+.1f')} | "
+              f"{fmt(peak_delta, '+.1f')} | {fmt(requested_delta, '+.2f')} | "
               f"{fmt(run['median_step_seconds'] and run['median_step_seconds'] * 1000, '.1f')} | "
               f"{fmt(other.get('median_step_seconds') and other['median_step_seconds'] * 1000, '.1f')} | {fmt(time_ratio, '.3f')} | "
               f"{fmt(ours_gain, '.2f')}x | {fmt(theirs_gain, '.2f')}x |")

@@ -215,6 +215,14 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
         }
     }
     let amp = options.amp.filter(|_| !skip("amp", "--amp", &mut changes));
+    if let (Some(amp), None) = (amp, options.optimizer) {
+        let flag = Options {
+            amp: Some(amp),
+            ..Options::default()
+        }
+        .flags();
+        optimizer::fuse_adam(&mut block, &flag, &mut changes);
+    }
     let accumulate = options
         .accumulate
         .filter(|_| !skip("accumulate", "--accumulate", &mut changes));

@@ -474,6 +474,68 @@ fn rewrite_generated_names_avoid_the_cells() {
     );
 }
 
+#[test]
+fn rewrite_amp_moves_adam_to_the_fused_one_with_its_settings() {
+    let cell = |build: &str, extra: &str| {
+        format!(
+            "let mut opt = {build}.build(&vs, 1e-3)?;\n{extra}for (xs, ys) in batches.iter() {{\n    \
+             let loss = model.forward(xs).mse_loss(ys, tch::Reduction::Mean);\n    \
+             opt.backward_step(&loss);\n}}\n"
+        )
+    };
+    let literal = cell("nn::AdamW { wd: 0.1, ..Default::default() }", "");
+    let rewritten = rewrite_ok(&literal, "--amp bf16");
+    assert!(
+        rewritten
+            .code
+            .contains("tchmem::optim::AdamW::from(nn::AdamW {")
+            && rewritten.code.contains("wd: 0.1,"),
+        "{}",
+        rewritten.code
+    );
+    assert!(
+        rewritten
+            .changes
+            .iter()
+            .any(|c| c.contains("nn::AdamW → tchmem::optim::AdamW::from")),
+        "{:?}",
+        rewritten.changes
+    );
+    let builder = rewrite_ok(
+        &cell("nn::adam(0.8, 0.9, 0.0).amsgrad(true)", ""),
+        "--amp f16",
+    );
+    assert!(
+        builder
+            .code
+            .contains("tchmem::optim::Adam::from(nn::adam(0.8, 0.9, 0.0).amsgrad(true))"),
+        "{}",
+        builder.code
+    );
+    // A method tchmem's optimizer lacks keeps tch's, with a note saying why.
+    let kept = rewrite_ok(
+        &cell("nn::Adam::default()", "opt.set_lr_group(0, 1e-4);\n"),
+        "--amp bf16",
+    );
+    assert!(
+        kept.code.contains("= nn::Adam::default().build"),
+        "{}",
+        kept.code
+    );
+    assert!(
+        kept.changes
+            .iter()
+            .any(|c| c.contains("kept tch's optimizer") && c.contains("opt.set_lr_group")),
+        "{:?}",
+        kept.changes
+    );
+    // Not without --amp, and not when --optimizer picks one.
+    for flags in ["--accumulate 2", "--amp bf16 --optimizer lion"] {
+        let code = rewrite_ok(&literal, flags).code;
+        assert!(!code.contains("AdamW::from"), "{flags}: {code}");
+    }
+}
+
 /// A small deterministic generator (xorshift64*), so the fuzz test needs no dependency.
 struct Rng(u64);
 

@@ -97,6 +97,32 @@ impl Default for AdamW {
     }
 }
 
+/// The same settings as tch's config (what `%%optimize --amp` uses to carry them over).
+impl From<nn::Adam> for Adam {
+    fn from(c: nn::Adam) -> Adam {
+        Adam {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            wd: c.wd,
+            eps: c.eps,
+            amsgrad: c.amsgrad,
+        }
+    }
+}
+
+/// The same settings as tch's config (what `%%optimize --amp` uses to carry them over).
+impl From<nn::AdamW> for AdamW {
+    fn from(c: nn::AdamW) -> AdamW {
+        AdamW {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            wd: c.wd,
+            eps: c.eps,
+            amsgrad: c.amsgrad,
+        }
+    }
+}
+
 impl Adam {
     fn into_adamw(self) -> AdamW {
         let Adam {
@@ -265,9 +291,13 @@ impl Algorithm for FusedAdam {
 
     fn state_bytes(&self) -> u64 {
         let moments = self.state.iter().flatten().flat_map(|m| {
-            [Some(&m.exp_avg), Some(&m.exp_avg_sq), m.max_exp_avg_sq.as_ref()]
-                .into_iter()
-                .flatten()
+            [
+                Some(&m.exp_avg),
+                Some(&m.exp_avg_sq),
+                m.max_exp_avg_sq.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
         });
         bytes(moments.chain(&self.step_buffers))
     }

@@ -15,11 +15,11 @@ let net = nn::seq_t()
     .add_fn(|xs| xs.gelu("none"))
     .add_fn_t(|xs, train| xs.dropout(0.1, train))
     .add(nn::linear(&p / "fc3", 2048, 1, Default::default()));
-let mut opt = nn::AdamW {
-    wd: 0.05,
-    ..Default::default()
-}
-.build(&vs, 3e-4)?;
+let mut opt = tchmem::optim::AdamW::from(nn::AdamW {
+        wd: 0.05,
+        ..Default::default()
+    })
+    .build(&vs, 3e-4)?;
 let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
 
 let xs = Tensor::randn([4096, 512], (Kind::Float, device));

@@ -1,3 +1,4 @@
+// change: line 19: --amp f16: nn::AdamW → tchmem::optim::AdamW::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: line 19: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 28–29: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 31: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
@@ -17,11 +18,11 @@ let net = nn::seq_t()
     .add_fn(|xs| xs.gelu("none"))
     .add_fn_t(|xs, train| xs.dropout(0.1, train))
     .add(nn::linear(&p / "fc3", 2048, 1, Default::default()));
-let mut opt = nn::AdamW {
-    wd: 0.05,
-    ..Default::default()
-}
-.build(&vs, 3e-4)?;
+let mut opt = tchmem::optim::AdamW::from(nn::AdamW {
+        wd: 0.05,
+        ..Default::default()
+    })
+    .build(&vs, 3e-4)?;
 let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
 
 let xs = Tensor::randn([4096, 512], (Kind::Float, device));

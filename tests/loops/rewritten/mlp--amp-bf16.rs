@@ -1,3 +1,4 @@
+// change: line 14: --amp bf16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: lines 21–22: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // %%optimize --amp bf16: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
@@ -14,7 +15,7 @@ let model = nn::seq()
     .add(nn::linear(&root / "l2", 1024, 1024, Default::default()))
     .add_fn(|xs| xs.relu())
     .add(nn::linear(&root / "l3", 1024, 10, Default::default()));
-let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
+let mut opt = tchmem::optim::Adam::from(nn::Adam::default()).build(&vs, 1e-3)?;
 
 let images = Tensor::randn([8192, 784], (Kind::Float, device));
 let labels = Tensor::randint(10, [8192], (Kind::Int64, device));

@@ -1,3 +1,4 @@
+// change: line 14: --amp f16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: line 14: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 21–22: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 21–22: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
@@ -17,7 +18,7 @@ let model = nn::seq()
     .add(nn::linear(&root / "l2", 1024, 1024, Default::default()))
     .add_fn(|xs| xs.relu())
     .add(nn::linear(&root / "l3", 1024, 10, Default::default()));
-let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
+let mut opt = tchmem::optim::Adam::from(nn::Adam::default()).build(&vs, 1e-3)?;
 let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
 
 let images = Tensor::randn([8192, 784], (Kind::Float, device));

@@ -1,3 +1,4 @@
+// change: line 14: --amp f16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: line 14: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 21–22: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 23: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
@@ -16,7 +17,7 @@ let model = nn::seq()
     .add(nn::linear(&root / "l2", 1024, 1024, Default::default()))
     .add_fn(|xs| xs.relu())
     .add(nn::linear(&root / "l3", 1024, 10, Default::default()));
-let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
+let mut opt = tchmem::optim::Adam::from(nn::Adam::default()).build(&vs, 1e-3)?;
 let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
 
 let images = Tensor::randn([8192, 784], (Kind::Float, device));

@@ -1,3 +1,4 @@
+// change: line 41: --amp bf16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: line 48: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // %%optimize --amp bf16: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
@@ -40,7 +41,11 @@ impl Module for Net {
 let device = Device::cuda_if_available();
 let vs = nn::VarStore::new(device);
 let net = Net::new(&vs.root());
-let mut opt: nn::Optimizer = nn::adam(0.9, 0.999, 1e-4).build(&vs, 1e-3).unwrap();
+let mut opt: tchmem::optim::Optimizer = tchmem::optim::Adam::from(
+        nn::adam(0.9, 0.999, 1e-4),
+    )
+    .build(&vs, 1e-3)
+    .unwrap();
 let images = Tensor::rand([2048, 784], (Kind::Float, device));
 let labels = Tensor::randint(10, [2048], (Kind::Int64, device));
 for step in 0..200 {
