@@ -29,6 +29,31 @@ fn refused(refusal: Refusal, body_offset: usize) -> CellError {
     )
 }
 
+/// Where a compare run's code comes from, for the line numbers of a refusal.
+#[derive(Clone, Copy)]
+enum CodeOrigin {
+    /// The cell's own body, starting this many lines below the magic line.
+    Cell { body_offset: usize },
+    /// The rewritten code shown above (its own line numbers).
+    Rewritten,
+}
+
+impl CodeOrigin {
+    fn refused(self, refusal: Refusal) -> CellError {
+        match self {
+            CodeOrigin::Cell { body_offset } => refused(refusal, body_offset),
+            CodeOrigin::Rewritten => CellError::new(
+                "RewriteRefused",
+                format!(
+                    "%%optimize --compare could not time the rewritten code shown above (line \
+                     numbers are the rewritten code's): {refusal}\nThe original loop ran; the \
+                     rewritten one did not."
+                ),
+            ),
+        }
+    }
+}
+
 /// The rewritten code as a rich output (a Rust code block, with what changed).
 fn code_display(flags: &str, code: &str, changes: &[String]) -> Display {
     let changes_md: String = changes.iter().map(|c| format!("- {c}\n")).collect();
@@ -81,12 +106,12 @@ impl Session {
         name: &str,
         code: &str,
         steps: u32,
-        body_offset: usize,
+        origin: CodeOrigin,
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
         let instrumented = rewrite::instrument_for_compare(code).map_err(|refusal| {
             Box::new(CellOutcome {
-                error: Some(refused(refusal, body_offset)),
+                error: Some(origin.refused(refusal)),
                 ..Default::default()
             })
         })?;
@@ -141,12 +166,15 @@ impl Session {
         if let Some(why) = compare_misleads(source.body) {
             return fail(CellError::new("RewriteRefused", why));
         }
-        let mut run = |name, code| self.compare_side(name, code, steps, source.body_offset, &io);
-        let original_side = match run("original", source.body) {
+        let mut run = |name, code, origin| self.compare_side(name, code, steps, origin, &io);
+        let cell = CodeOrigin::Cell {
+            body_offset: source.body_offset,
+        };
+        let original_side = match run("original", source.body, cell) {
             Ok(side) => side,
             Err(stop) => return *stop,
         };
-        let rewritten_side = match run("rewritten", &rewritten.code) {
+        let rewritten_side = match run("rewritten", &rewritten.code, CodeOrigin::Rewritten) {
             Ok(side) => side,
             Err(stop) => return *stop,
         };

@@ -34,7 +34,10 @@ fn test_name(prefix: &str, stem: &str) -> String {
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Read when the script runs, not when it is compiled: clones at other paths share a target
+    // directory (and this script's binary) when they share a cache.
+    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let root = Path::new(&manifest_dir);
     println!("cargo:rerun-if-changed={}", root.display());
     println!(
         "cargo:rerun-if-changed={}",
