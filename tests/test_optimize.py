@@ -156,3 +156,44 @@ def test_without_show_or_compare_the_rewritten_cell_runs_and_keeps_its_variables
     text = [r["data"]["text/plain"] for r in outputs(messages, "execute_result")][0]
     name, state = text.strip('"').split()
     assert name == "AdamW8bit" and int(state) > 0, text
+
+
+def test_a_checkpointed_forward_in_one_cell_runs_backward_in_another(kernel):
+    """Every cell links its own copy of the runtime. A checkpointed forward in one cell, another
+    cell's own checkpoint in between, then the backward in a third: the rerun must still find the
+    first cell's segments (it failed with 'saved different tensors' when the last copy to run a
+    checkpoint answered for all of them), and the gradients must equal plain ones."""
+    _, kc = kernel
+    execute(kc, SETUP)
+    reply, messages = execute(kc, """
+let cross_vs = nn::VarStore::new(Device::Cpu);
+let cross_model: Box<dyn Module> = Box::new(tchmem::checkpoint::seq()
+    .add(nn::linear(cross_vs.root() / "a", 16, 16, Default::default()))
+    .add_fn(|x| x.tanh())
+    .add(nn::linear(cross_vs.root() / "b", 16, 16, Default::default()))
+    .add_fn(|x| x.tanh())
+    .segments(2));
+let cross_x = Tensor::randn([8, 16], (Kind::Float, Device::Cpu));
+let cross_loss = cross_model.forward(&cross_x).square().sum(Kind::Float);
+""")
+    assert reply["status"] == "ok", reply.get("evalue", reply)
+    reply, messages = execute(kc, """
+let other = Tensor::randn([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+tchmem::checkpoint::checkpoint(|t| t.sin(), &other).sum(Kind::Float).backward();
+println!("another cell's checkpoint ran");
+""")
+    assert "another cell's checkpoint ran" in stream_text(messages), reply.get("evalue", reply)
+    reply, messages = execute(kc, """
+cross_loss.backward();
+let v = cross_vs.variables();
+let h = (cross_x.matmul(&v["a.weight"].tr()) + &v["a.bias"]).tanh();
+let plain = (h.matmul(&v["b.weight"].tr()) + &v["b.bias"]).tanh().square().sum(Kind::Float);
+let expected = Tensor::run_backward(&[plain], &[&v["a.weight"]], false, false);
+let diff = (v["a.weight"].grad() - &expected[0]).abs().max().double_value(&[]);
+println!("gradient difference {diff:e}");
+""")
+    assert reply["status"] == "ok", reply.get("evalue", reply)
+    text = stream_text(messages)
+    assert "gradient difference" in text, text
+    diff = float(text.split("gradient difference")[1].split()[0])
+    assert diff <= 1e-6, text

@@ -141,6 +141,8 @@ struct RunStateGuard {
   ~RunStateGuard() { before.apply(); }
 };
 
+void use_this_copys_engine();
+
 // One checkpointed call of a segment: what its rerun needs, and the tensors a rerun collected
 // until backward takes them. Kept alive by its placeholders, i.e. by the graph.
 struct Frame : std::enable_shared_from_this<Frame> {
@@ -198,7 +200,7 @@ struct Collector : SavedVariableHooks {
   Collector(Frame* frame, size_t index) : frame(frame), index(index) {}
   void call_pack_hook(const at::Tensor& tensor) override { frame->collect(index, tensor); }
   at::Tensor call_unpack_hook() override {
-    TORCH_CHECK(false, "tchmem: a tensor saved by a checkpoint rerun was used in backward");
+    throw std::runtime_error("tchmem: a tensor saved by a checkpoint rerun was used in backward");
   }
 
   Frame* frame;
@@ -215,22 +217,28 @@ at::Tensor Frame::unpack(size_t index) {
   std::lock_guard<std::mutex> lock(mutex);
   // A second backward through the graph (retain_graph) finds the tensor taken: rerun again.
   if (index >= recomputed.size() || !recomputed[index].defined()) recompute();
-  TORCH_CHECK(recomputed[index].defined(),
-              "tchmem: a checkpointed segment saved different tensors when run again in backward "
-              "(it must be a pure function of its input and parameters)");
+  if (!recomputed[index].defined()) {
+    // Plain exceptions: libtorch's would carry a C++ backtrace into the notebook.
+    throw std::runtime_error(
+        "tchmem: a checkpointed segment saved different tensors when run again in backward (it "
+        "must be a pure function of its input and parameters)");
+  }
   at::Tensor out = std::move(recomputed[index]);
   recomputed[index] = at::Tensor();
   return out;
 }
 
 void Frame::recompute() {
-  TORCH_CHECK(input._version() == input_version,
-              "tchmem: the input of a checkpointed segment was modified in place after the "
-              "segment ran; backward needs it unchanged (clone it before modifying it)");
+  if (input._version() != input_version) {
+    throw std::runtime_error(
+        "tchmem: the input of a checkpointed segment was modified in place after the segment "
+        "ran; backward needs it unchanged (clone it before modifying it)");
+  }
   recomputed.assign(placeholders, at::Tensor());
   collectors = 0;
   RunStateGuard state_guard(*state);
   at::AutoGradMode grad(true);
+  use_this_copys_engine();
   ActiveGuard active(this, true);
   at::Tensor rerun_input = input.detach();
   rerun_input.requires_grad_(input_requires_grad);
@@ -278,10 +286,11 @@ torch::autograd::Engine& checkpoint_engine() {
   return *engine;
 }
 
-void install_engine() {
-  static std::once_flag once;
-  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&checkpoint_engine); });
-}
+// Makes this copy's engine libtorch's default. In the kernel every cell links its own copy of
+// this file, with its own `active_frames`, so the copy running a segment's forward or rerun
+// installs its engine for it (an atomic store) rather than once: otherwise a model built in one
+// cell and trained in another would consult the wrong copy's frames.
+void use_this_copys_engine() { torch::autograd::set_default_engine_stub(&checkpoint_engine); }
 
 }  // namespace
 
@@ -294,7 +303,7 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
                       const at::Tensor* input, at::Tensor** out, char* err, size_t err_len) {
   return tchmem::guarded(
       [&] {
-        install_engine();
+        use_this_copys_engine();
         auto frame = std::make_shared<Frame>(data, call, drop);
         if (!at::GradMode::is_enabled()) {
           *out = new at::Tensor(frame->segment.run(*input));

@@ -276,3 +276,19 @@ fn gradients_for_chosen_inputs_reach_parameters_inside_a_segment() {
     let diff = (&got[0] - &expected[0]).abs().max().double_value(&[]);
     assert!(diff <= 1e-6, "weight gradient differs by {diff}");
 }
+
+#[test]
+fn an_input_modified_in_place_before_backward_is_a_clear_error() {
+    let _turn = rng_turn();
+    let leaf = Tensor::randn([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let mut input = &leaf * 2.0;
+    let y = tchmem::checkpoint::checkpoint(|x| x.sin(), &input);
+    let _ = input.g_add_scalar_(1.0);
+    let err = y
+        .sum(Kind::Float)
+        .f_backward()
+        .expect_err("the input changed");
+    let message = err.to_string();
+    assert!(message.contains("modified in place"), "{message}");
+    assert!(!message.contains("Exception raised from"), "{message}");
+}
