@@ -14,6 +14,18 @@ extern "C" {
     ) -> std::ffi::c_int;
 }
 
+/// The most events kept until the next record takes them: with recording off
+/// (`TCHMEM_RECORD=0`) nothing takes them, and a loop that keeps hitting OOM must not grow them.
+const MAX_KEPT_EVENTS: usize = 16;
+
+/// Notes `event`, dropping the oldest beyond [`MAX_KEPT_EVENTS`].
+fn keep(events: &mut Vec<OomEvent>, event: OomEvent) {
+    if events.len() >= MAX_KEPT_EVENTS {
+        events.drain(..=events.len() - MAX_KEPT_EVENTS);
+    }
+    events.push(event);
+}
+
 /// Called by libtorch when the allocator gives up: only notes the event.
 #[cfg_attr(not(tchmem_oom_observer), allow(dead_code))]
 extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free: u64) {
@@ -21,12 +33,15 @@ extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free
         .oom_events
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    events.push(OomEvent {
-        device,
-        requested,
-        device_total,
-        device_free,
-    });
+    keep(
+        &mut events,
+        OomEvent {
+            device,
+            requested,
+            device_total,
+            device_free,
+        },
+    );
 }
 
 /// Attaches the observer (once per process: the kernel does it when a session starts).
@@ -61,4 +76,28 @@ pub fn take_events() -> Vec<OomEvent> {
             .lock()
             .unwrap_or_else(|e| e.into_inner()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{keep, OomEvent, MAX_KEPT_EVENTS};
+
+    #[test]
+    fn events_nobody_takes_stay_bounded_and_the_newest_are_kept() {
+        let mut events = Vec::new();
+        for requested in 0..100u64 {
+            keep(
+                &mut events,
+                OomEvent {
+                    device: 0,
+                    requested,
+                    device_total: 1,
+                    device_free: 0,
+                },
+            );
+        }
+        assert_eq!(events.len(), MAX_KEPT_EVENTS);
+        assert_eq!(events.first().map(|e| e.requested), Some(100 - 16));
+        assert_eq!(events.last().map(|e| e.requested), Some(99));
+    }
 }
