@@ -25,6 +25,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -143,6 +144,18 @@ struct RunStateGuard {
 
 void use_this_copys_engine();
 
+// What a saved tensor looked like when packed, to check that the rerun saves the same ones.
+struct SavedShape {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  at::Device device;
+  int64_t version;
+
+  static SavedShape of(const at::Tensor& t) {
+    return {t.sizes().vec(), t.scalar_type(), t.device(), t._version()};
+  }
+};
+
 // One checkpointed call of a segment: what its rerun needs, and the tensors a rerun collected
 // until backward takes them. Kept alive by its placeholders, i.e. by the graph.
 struct Frame : std::enable_shared_from_this<Frame> {
@@ -155,11 +168,13 @@ struct Frame : std::enable_shared_from_this<Frame> {
   int64_t input_version = 0;
   std::unique_ptr<RunState> state;
 
-  // Placeholders made in the forward, and which of them were packed (libtorch asks for hooks
-  // for wrapped numbers too, then drops them unused).
+  // Placeholders made in the forward, and what each one stood for if it was packed (libtorch
+  // asks for hooks for wrapped numbers too, then drops them unused).
   size_t placeholders = 0;
-  std::vector<bool> packed;
+  std::vector<std::optional<SavedShape>> packed;
   size_t last_packed = 0;
+  // While the forward runs, a backward through the segment cannot rerun it.
+  bool forward_running = false;
 
   std::mutex mutex;
   std::vector<at::Tensor> recomputed;
@@ -185,8 +200,8 @@ struct ActiveGuard {
 // Saved in the forward in place of a tensor.
 struct Placeholder : SavedVariableHooks {
   Placeholder(std::shared_ptr<Frame> frame, size_t index) : frame(std::move(frame)), index(index) {}
-  void call_pack_hook(const at::Tensor&) override {
-    frame->packed[index] = true;
+  void call_pack_hook(const at::Tensor& tensor) override {
+    frame->packed[index] = SavedShape::of(tensor);
     frame->last_packed = index;
   }
   at::Tensor call_unpack_hook() override { return frame->unpack(index); }
@@ -209,11 +224,29 @@ struct Collector : SavedVariableHooks {
 
 void Frame::collect(size_t index, const at::Tensor& tensor) {
   if (index >= placeholders || !packed[index]) return;
+  const SavedShape& was = *packed[index];
+  const SavedShape now = SavedShape::of(tensor);
+  if (now.version != was.version) {
+    throw std::runtime_error(
+        "tchmem: a tensor a checkpointed segment saved for backward was modified in place "
+        "between its forward pass and backward (a parameter changed by an optimizer step?); "
+        "run backward before changing it");
+  }
+  if (now.sizes != was.sizes || now.dtype != was.dtype || now.device != was.device) {
+    throw std::runtime_error(
+        "tchmem: a checkpointed segment saved different tensors when run again in backward (it "
+        "must be a pure function of its input and parameters: no data-dependent branches)");
+  }
   recomputed[index] = tensor.detach();
   if (index == last_packed) throw RecomputeComplete();
 }
 
 at::Tensor Frame::unpack(size_t index) {
+  if (forward_running) {
+    throw std::runtime_error(
+        "tchmem: autograd through a checkpointed segment while its forward pass is still "
+        "running (a gradient computed inside the segment) is not supported");
+  }
   std::lock_guard<std::mutex> lock(mutex);
   // A second backward through the graph (retain_graph) finds the tensor taken: rerun again.
   if (index >= recomputed.size() || !recomputed[index].defined()) recompute();
@@ -231,8 +264,8 @@ at::Tensor Frame::unpack(size_t index) {
 void Frame::recompute() {
   if (input._version() != input_version) {
     throw std::runtime_error(
-        "tchmem: the input of a checkpointed segment was modified in place after the segment "
-        "ran; backward needs it unchanged (clone it before modifying it)");
+        "tchmem: the input of a checkpointed segment was modified in place (inside the segment "
+        "or after it ran); backward needs it unchanged (clone it first)");
   }
   recomputed.assign(placeholders, at::Tensor());
   collectors = 0;
@@ -275,7 +308,7 @@ struct CheckpointEngine : torch::autograd::Engine {
     const Active& active = active_frames.back();
     Frame* frame = active.frame;
     if (active.recomputing) return std::make_unique<Collector>(frame, frame->collectors++);
-    frame->packed.push_back(false);
+    frame->packed.emplace_back();
     return std::make_unique<Placeholder>(frame->shared_from_this(), frame->placeholders++);
   }
 };
@@ -315,6 +348,11 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
         // Dropout and other random ops must draw the same numbers when rerun.
         frame->state = std::make_unique<RunState>(RunState::current(input->device()));
         ActiveGuard active(frame.get(), false);
+        struct Running {
+          Frame& frame;
+          explicit Running(Frame& f) : frame(f) { frame.forward_running = true; }
+          ~Running() { frame.forward_running = false; }
+        } running(*frame);
         *out = new at::Tensor(frame->segment.run(*input));
       },
       err, err_len);

@@ -101,6 +101,14 @@ extern "C" fn drop_segment(data: *mut c_void) {
 /// `loss.backward()`, optimizers and `Tensor::run_backward(…, inputs)` work as without
 /// checkpointing; double backward (`create_graph`) through a segment does not.
 ///
+/// Backward fails with a clear error when the rerun saves tensors of other shapes than the
+/// forward did, when a saved tensor or the input was modified in place in between, or when a
+/// segment runs autograd on itself inside its forward. What is not saved cannot be checked:
+/// the segment must not depend on state changed between forward and backward. The rerun is
+/// stopped by unwinding the closure: state it changes (a BatchNorm's running statistics) is
+/// changed twice, as with PyTorch's checkpoint, and a `Mutex` it holds while stopped is
+/// poisoned.
+///
 /// # Panics
 /// If the segment panics or libtorch reports an error (the message is passed on).
 pub fn checkpoint<F>(segment: F, input: &Tensor) -> Tensor

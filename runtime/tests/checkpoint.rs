@@ -292,3 +292,71 @@ fn an_input_modified_in_place_before_backward_is_a_clear_error() {
     assert!(message.contains("modified in place"), "{message}");
     assert!(!message.contains("Exception raised from"), "{message}");
 }
+
+#[test]
+fn a_parameter_changed_between_forward_and_backward_is_a_clear_error() {
+    let _turn = rng_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root() / "l", 3, 3, Default::default());
+    let mut ws = layer.ws.shallow_clone();
+    // The input needs a gradient, so that the weight itself is saved for backward (only what
+    // backward saves can be checked: a segment must not depend on state changed in between).
+    let x = Tensor::randn([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = tchmem::checkpoint::checkpoint(move |x| layer.forward(x).tanh(), &x);
+    tch::no_grad(|| {
+        let _ = ws.g_add_scalar_(1.0);
+    });
+    let err = y
+        .sum(Kind::Float)
+        .f_backward()
+        .expect_err("the weight changed");
+    assert!(
+        err.to_string().contains("modified in place between"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rerun_that_saves_other_tensors_is_a_clear_error() {
+    let _turn = rng_turn();
+    let x = Tensor::randn([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = calls.clone();
+    let y = tchmem::checkpoint::checkpoint(
+        move |x| {
+            if counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                x.sin()
+            } else {
+                x.slice(0, 0, 2, 1).sin()
+            }
+        },
+        &x,
+    );
+    let err = y
+        .sum(Kind::Float)
+        .f_backward()
+        .expect_err("the rerun differs");
+    assert!(err.to_string().contains("saved different tensors"), "{err}");
+}
+
+#[test]
+fn autograd_inside_a_segment_is_refused_not_deadlocked() {
+    let _turn = rng_turn();
+    let x = Tensor::randn([4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let result = std::panic::catch_unwind(|| {
+        tchmem::checkpoint::checkpoint(
+            |x| {
+                let y = x.sin();
+                let g = Tensor::run_backward(&[y.sum(Kind::Float)], &[x], true, false);
+                &y + &g[0]
+            },
+            &x,
+        )
+    });
+    let message = result.expect_err("refused");
+    let text = message
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(text.contains("not supported"), "{text}");
+}
