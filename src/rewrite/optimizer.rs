@@ -172,10 +172,7 @@ pub(crate) fn swap(
 ) -> Result<(), Refusal> {
     let flag = format!("--optimizer {}", choice.flag_value());
     let tree = Tree::of(block);
-    let found: Vec<Build> = builds(&tree)
-        .into_iter()
-        .filter(|b| matches!(b.config, Config::Nn { .. }))
-        .collect();
+    let found = tch_builds(&tree);
     if found.is_empty() {
         let step = super::step::the_step(&tree, &flag).ok();
         return Err(Refusal::new(
@@ -235,15 +232,14 @@ pub(crate) fn swap(
     let mut swapper = Swapper {
         choice,
         pending: Vec::new(),
-        fix_bare: imports_nn_optimizer(block),
-        types_fixed: 0,
+        types: OptimizerTypes::of(block),
     };
     swapper.visit_block_mut(block);
-    if swapper.types_fixed > 0 {
+    let fixed = swapper.types.fixed;
+    if fixed > 0 {
         changes.push(format!(
-            "{flag}: {} type annotation{} nn::Optimizer → tchmem::optim::Optimizer",
-            swapper.types_fixed,
-            if swapper.types_fixed == 1 { "" } else { "s" }
+            "{flag}: {fixed} type annotation{} nn::Optimizer → tchmem::optim::Optimizer",
+            if fixed == 1 { "" } else { "s" }
         ));
     }
     Ok(())
@@ -255,19 +251,12 @@ pub(crate) fn swap(
 /// Left alone (with a note) when the cell builds another optimizer or calls a method ours lacks.
 pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<String>) {
     let tree = Tree::of(block);
-    let found: Vec<Build> = builds(&tree)
-        .into_iter()
-        .filter(|b| matches!(b.config, Config::Nn { .. }))
-        .collect();
-    let adam_kind = |build: &Build| match &build.config {
-        Config::Nn { name, .. } => match name.as_str() {
-            "Adam" | "adam" => Some("Adam"),
-            "AdamW" | "adamw" => Some("AdamW"),
-            _ => None,
-        },
+    let found = tch_builds(&tree);
+    let fused = |build: &Build| match &build.config {
+        Config::Nn { name, .. } => fused_counterpart(name),
         Config::Tchmem(_) => None,
     };
-    if found.is_empty() || found.iter().any(|b| adam_kind(b).is_none()) {
+    if found.is_empty() || found.iter().any(|b| fused(b).is_none()) {
         return;
     }
     let variables: Vec<Ident> = found.iter().filter_map(|b| b.binding.clone()).collect();
@@ -281,7 +270,7 @@ pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<String>
     }
     drop(tree);
     for build in &found {
-        let kind = adam_kind(build).unwrap_or("AdamW");
+        let kind = fused(build).unwrap_or("AdamW");
         changes.push(format!(
             "line {}: {flag}: nn::{kind} → tchmem::optim::{kind}::from(…): the same update and \
              settings on torch's fused kernel (tch's launches several kernels per parameter, a \
@@ -290,26 +279,67 @@ pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<String>
         ));
     }
     let mut fuser = Fuser {
-        fix_bare: imports_nn_optimizer(block),
+        types: OptimizerTypes::of(block),
     };
     fuser.visit_block_mut(block);
 }
 
+/// Every optimizer built in the cell with one of tch's configs.
+fn tch_builds(tree: &Tree) -> Vec<Build> {
+    builds(tree)
+        .into_iter()
+        .filter(|b| matches!(b.config, Config::Nn { .. }))
+        .collect()
+}
+
+/// The `tchmem::optim` type with the same update as tch's config `name`, if there is one.
+fn fused_counterpart(name: &str) -> Option<&'static str> {
+    match name {
+        "Adam" | "adam" => Some("Adam"),
+        "AdamW" | "adamw" => Some("AdamW"),
+        _ => None,
+    }
+}
+
+/// Rewrites tch's `nn::Optimizer` type annotations (and a bare `Optimizer` when the cell imports
+/// tch's) to `tchmem::optim::Optimizer`, counting them.
+struct OptimizerTypes {
+    fix_bare: bool,
+    fixed: usize,
+}
+
+impl OptimizerTypes {
+    fn of(block: &Block) -> OptimizerTypes {
+        OptimizerTypes {
+            fix_bare: imports_nn_optimizer(block),
+            fixed: 0,
+        }
+    }
+
+    fn fix(&mut self, ty: &mut syn::TypePath) {
+        let is_tch = ty.qself.is_none()
+            && (is_nn_path(&ty.path, &["Optimizer"])
+                || (self.fix_bare && ty.path.is_ident("Optimizer")));
+        if is_tch {
+            ty.path = syn::parse_quote!(tchmem::optim::Optimizer);
+            self.fixed += 1;
+        }
+    }
+}
+
 /// Wraps tch's Adam/AdamW configs in `tchmem::optim::…::from` and fixes `nn::Optimizer` types.
 struct Fuser {
-    fix_bare: bool,
+    types: OptimizerTypes,
 }
 
 impl VisitMut for Fuser {
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
         visit_mut::visit_expr_mut(self, expr);
-        let Some((_, Config::Nn { name, .. })) = as_build(expr) else {
+        let Some(kind) = as_build(expr).and_then(|(_, config)| match config {
+            Config::Nn { name, .. } => fused_counterpart(&name),
+            Config::Tchmem(_) => None,
+        }) else {
             return;
-        };
-        let kind = if name.eq_ignore_ascii_case("adam") {
-            "Adam"
-        } else {
-            "AdamW"
         };
         let Expr::MethodCall(call) = expr else {
             return;
@@ -321,12 +351,7 @@ impl VisitMut for Fuser {
 
     fn visit_type_path_mut(&mut self, ty: &mut syn::TypePath) {
         visit_mut::visit_type_path_mut(self, ty);
-        if ty.qself.is_none()
-            && (is_nn_path(&ty.path, &["Optimizer"])
-                || (self.fix_bare && ty.path.is_ident("Optimizer")))
-        {
-            ty.path = syn::parse_quote!(tchmem::optim::Optimizer);
-        }
+        self.types.fix(ty);
     }
 }
 
@@ -385,8 +410,7 @@ struct Swapper {
     choice: OptimizerChoice,
     /// Comments for the statement being visited.
     pending: Vec<String>,
-    fix_bare: bool,
-    types_fixed: usize,
+    types: OptimizerTypes,
 }
 
 impl VisitMut for Swapper {
@@ -433,12 +457,6 @@ impl VisitMut for Swapper {
 
     fn visit_type_path_mut(&mut self, ty: &mut syn::TypePath) {
         visit_mut::visit_type_path_mut(self, ty);
-        let is_tch = ty.qself.is_none()
-            && (is_nn_path(&ty.path, &["Optimizer"])
-                || (self.fix_bare && ty.path.is_ident("Optimizer")));
-        if is_tch {
-            ty.path = syn::parse_quote!(tchmem::optim::Optimizer);
-            self.types_fixed += 1;
-        }
+        self.types.fix(ty);
     }
 }
