@@ -192,9 +192,19 @@ struct Active {
 };
 thread_local std::vector<Active> active_frames;
 
+// Makes `frame` the active one on this thread until it ends; a forward also marks the frame as
+// running (for backwards started from other threads).
 struct ActiveGuard {
-  ActiveGuard(Frame* frame, bool recomputing) { active_frames.push_back({frame, recomputing}); }
-  ~ActiveGuard() { active_frames.pop_back(); }
+  ActiveGuard(Frame* frame, bool recomputing) : frame(frame), forward(!recomputing) {
+    active_frames.push_back({frame, recomputing});
+    if (forward) frame->forward_running = true;
+  }
+  ~ActiveGuard() {
+    active_frames.pop_back();
+    if (forward) frame->forward_running = false;
+  }
+  Frame* frame;
+  bool forward;
 };
 
 // Saved in the forward in place of a tensor.
@@ -348,11 +358,6 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
         // Dropout and other random ops must draw the same numbers when rerun.
         frame->state = std::make_unique<RunState>(RunState::current(input->device()));
         ActiveGuard active(frame.get(), false);
-        struct Running {
-          Frame& frame;
-          explicit Running(Frame& f) : frame(f) { frame.forward_running = true; }
-          ~Running() { frame.forward_running = false; }
-        } running(*frame);
         *out = new at::Tensor(frame->segment.run(*input));
       },
       err, err_len);

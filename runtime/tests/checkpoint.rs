@@ -137,6 +137,14 @@ fn seq_matches_nn_seq_and_runs_plainly_without_grad() {
     assert!(!eval.requires_grad());
 }
 
+/// The message of a caught panic (checkpoint() panics with a String).
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default()
+}
+
 #[test]
 fn a_panicking_segment_is_reported_not_aborted() {
     let _turn = rng_turn();
@@ -144,11 +152,7 @@ fn a_panicking_segment_is_reported_not_aborted() {
     let result = std::panic::catch_unwind(|| {
         tchmem::checkpoint::checkpoint(|_| panic!("segment broke"), &x)
     });
-    let message = result.expect_err("the segment panicked");
-    let text = message
-        .downcast_ref::<String>()
-        .cloned()
-        .unwrap_or_default();
+    let text = panic_text(result.expect_err("the segment panicked"));
     assert!(text.contains("segment broke"), "{text}");
 }
 
@@ -353,10 +357,6 @@ fn autograd_inside_a_segment_is_refused_not_deadlocked() {
             &x,
         )
     });
-    let message = result.expect_err("refused");
-    let text = message
-        .downcast_ref::<String>()
-        .cloned()
-        .unwrap_or_default();
+    let text = panic_text(result.expect_err("refused"));
     assert!(text.contains("not supported"), "{text}");
 }

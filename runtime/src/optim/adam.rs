@@ -239,24 +239,25 @@ impl Algorithm for FusedAdam {
     fn update(&mut self, params: &[Tensor], lr: f64) {
         grow(&mut self.state, params.len());
         self.start_new_parameters(params);
-        let mut lists: [Vec<*mut C_tensor>; 5] = Default::default();
         let mut params_with_grad: Vec<Tensor> = Vec::new();
+        let (mut exp_avgs, mut exp_avg_sqs, mut max_exp_avg_sqs, mut steps) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (p, state) in params.iter().zip(&mut self.state) {
             let Some(moments) = state.as_mut().filter(|_| p.grad().defined()) else {
                 continue;
             };
             params_with_grad.push(p.shallow_clone());
-            lists[1].push(moments.exp_avg.as_mut_ptr());
-            lists[2].push(moments.exp_avg_sq.as_mut_ptr());
+            exp_avgs.push(moments.exp_avg.as_mut_ptr());
+            exp_avg_sqs.push(moments.exp_avg_sq.as_mut_ptr());
             if let Some(max) = &mut moments.max_exp_avg_sq {
-                lists[3].push(max.as_mut_ptr());
+                max_exp_avg_sqs.push(max.as_mut_ptr());
             }
-            lists[4].push(moments.step.as_mut_ptr());
+            steps.push(moments.step.as_mut_ptr());
         }
         if params_with_grad.is_empty() {
             return;
         }
-        lists[0] = params_with_grad
+        let params: Vec<*mut C_tensor> = params_with_grad
             .iter_mut()
             .map(|p| p.as_mut_ptr())
             .collect();
@@ -269,12 +270,12 @@ impl Algorithm for FusedAdam {
         } = self.config;
         ffi::call(|err, len| unsafe {
             tchmem_fused_adam(
-                lists[0].as_ptr(),
-                lists[1].as_ptr(),
-                lists[2].as_ptr(),
-                lists[3].as_ptr(),
-                lists[4].as_ptr(),
-                lists[0].len(),
+                params.as_ptr(),
+                exp_avgs.as_ptr(),
+                exp_avg_sqs.as_ptr(),
+                max_exp_avg_sqs.as_ptr(),
+                steps.as_ptr(),
+                params.len(),
                 lr,
                 beta1,
                 beta2,
