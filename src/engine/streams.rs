@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::Receiver;
 
 use tchmem_wire::{CellMessage, Display, STDERR_SYNC_PREFIX};
 
@@ -60,62 +60,36 @@ struct Current {
     leftovers: Leftovers,
 }
 
-/// Two threads that pump evcxr's output channels into the current sink.
+/// Asks the pump to answer once every line it took before has been delivered.
+struct Flush(crossbeam_channel::Sender<()>);
+
+/// One thread that pumps evcxr's stdout and stderr channels into the current sink.
+///
+/// The pump never holds the sink lock while it waits for a line, only while it delivers one.
+/// (An earlier design kept the lock across a short poll, with one thread per channel: a mutex
+/// promises no fairness, and on the 16-core H200 one thread re-took the lock again and again
+/// while another slept on it for minutes, which stalled cells with every process idle.)
 pub struct StreamPump {
     current: Arc<Mutex<Current>>,
     stderr_synced: Receiver<String>,
+    flush: crossbeam_channel::Sender<Flush>,
 }
-
-/// How long a pump waits on its channel before letting go of the sink lock.
-const POLL: Duration = Duration::from_millis(5);
 
 impl StreamPump {
     /// Starts pumping evcxr's stdout and stderr receivers.
     pub fn start(stdout: Receiver<String>, stderr: Receiver<String>) -> Self {
         let current = Arc::new(Mutex::new(Current::default()));
         let (synced_tx, stderr_synced) = crossbeam_channel::unbounded();
-        for (name, rx) in [(StreamName::Stdout, stdout), (StreamName::Stderr, stderr)] {
-            let current = Arc::clone(&current);
-            let synced_tx = synced_tx.clone();
-            std::thread::Builder::new()
-                .name(format!("{name:?}-pump").to_lowercase())
-                .spawn(move || loop {
-                    // The lock is held while waiting, so that once the engine holds it no line
-                    // is half-way between the channel and the sink.
-                    let mut guard = lock(&current);
-                    match rx.recv_timeout(POLL) {
-                        Ok(line) => {
-                            if let Some(token) = line.strip_prefix(STDERR_SYNC_PREFIX) {
-                                let _ = synced_tx.send(token.to_string());
-                                continue;
-                            }
-                            if name == StreamName::Stderr {
-                                keep_tail(&mut guard.leftovers.stderr, &line);
-                            }
-                            let output = match classify(name, line) {
-                                Classified::Output(output) => output,
-                                Classified::Panic(panic) => {
-                                    guard.leftovers.panics.push(panic);
-                                    continue;
-                                }
-                            };
-                            match &guard.sink {
-                                Some(sink) => sink(output),
-                                None => tracing::debug!("output outside a cell: {output:?}"),
-                            }
-                        }
-                        Err(RecvTimeoutError::Timeout) => {
-                            drop(guard);
-                            std::thread::yield_now();
-                        }
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                })
-                .expect("spawning a stream pump thread");
-        }
+        let (flush, flushes) = crossbeam_channel::unbounded::<Flush>();
+        let pumped = Arc::clone(&current);
+        std::thread::Builder::new()
+            .name("stream-pump".into())
+            .spawn(move || pump(stdout, stderr, flushes, &pumped, &synced_tx))
+            .expect("spawning the stream pump thread");
         Self {
             current,
             stderr_synced,
+            flush,
         }
     }
 
@@ -126,12 +100,13 @@ impl StreamPump {
         current.leftovers = Leftovers::default();
     }
 
-    /// Waits until the stderr line carrying `token` has passed (or `timeout`), then stops sending
-    /// output to the sink. Returns the cell's stderr and panics. Stdout needs no marker: evcxr returns only
-    /// after its stdout channel is empty, and the pump holds the lock until a line is delivered.
+    /// Waits until the stderr line carrying `token` has passed (or `timeout`) and every line the
+    /// pump already took is delivered, then stops sending output to the sink. Returns the cell's
+    /// stderr and panics. Stdout needs no marker: evcxr returns only after its stdout channel is
+    /// empty, so the flush covers its last line.
     pub fn detach(&self, token: Option<&str>, timeout: Duration) -> Leftovers {
+        let deadline = Instant::now() + timeout;
         if let Some(token) = token {
-            let deadline = Instant::now() + timeout;
             while let Ok(seen) = self
                 .stderr_synced
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
@@ -144,13 +119,71 @@ impl StreamPump {
             // No marker (the child died or nothing ran): give stderr a moment to drain.
             std::thread::sleep(Duration::from_millis(100));
         }
+        let (done, flushed) = crossbeam_channel::bounded(1);
+        if self.flush.send(Flush(done)).is_ok() {
+            let _ = flushed.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
         let mut current = lock(&self.current);
         current.sink = None;
         std::mem::take(&mut current.leftovers)
     }
 }
 
-/// How much of a cell's stderr is kept to find a panic message in (its end).
+/// The pump thread: takes lines from either channel as they come (each channel in order) and
+/// delivers them; answers flushes; ends when the engine drops its handle.
+fn pump(
+    stdout: Receiver<String>,
+    stderr: Receiver<String>,
+    flushes: Receiver<Flush>,
+    current: &Mutex<Current>,
+    synced: &crossbeam_channel::Sender<String>,
+) {
+    let closed = crossbeam_channel::never::<String>();
+    let (mut stdout_open, mut stderr_open) = (true, true);
+    loop {
+        let (name, received) = crossbeam_channel::select! {
+            recv(if stdout_open { &stdout } else { &closed }) -> line => (StreamName::Stdout, line),
+            recv(if stderr_open { &stderr } else { &closed }) -> line => (StreamName::Stderr, line),
+            recv(flushes) -> flush => match flush {
+                Ok(Flush(done)) => {
+                    let _ = done.send(());
+                    continue;
+                }
+                Err(_) => return,
+            },
+        };
+        let Ok(line) = received else {
+            match name {
+                StreamName::Stdout => stdout_open = false,
+                StreamName::Stderr => stderr_open = false,
+            }
+            continue;
+        };
+        if let Some(token) = line.strip_prefix(STDERR_SYNC_PREFIX) {
+            let _ = synced.send(token.to_string());
+            continue;
+        }
+        deliver(&mut lock(current), name, line);
+    }
+}
+
+fn deliver(current: &mut Current, name: StreamName, line: String) {
+    if name == StreamName::Stderr {
+        keep_tail(&mut current.leftovers.stderr, &line);
+    }
+    let output = match classify(name, line) {
+        Classified::Output(output) => output,
+        Classified::Panic(panic) => {
+            current.leftovers.panics.push(panic);
+            return;
+        }
+    };
+    match &current.sink {
+        Some(sink) => sink(output),
+        None => tracing::debug!("output outside a cell: {output:?}"),
+    }
+}
+
 const STDERR_KEPT: usize = 64 * 1024;
 
 /// Appends a line to `kept`, dropping the oldest text beyond [`STDERR_KEPT`].
@@ -197,4 +230,73 @@ fn classify(name: StreamName, line: String) -> Classified {
 
 fn lock(current: &Mutex<Current>) -> MutexGuard<'_, Current> {
     current.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::StreamPump;
+
+    /// The engine must get the sink lock at once, every time, while the pump waits for lines
+    /// (it once waited minutes on a 16-core machine).
+    #[test]
+    fn the_engine_gets_the_sink_promptly_while_the_pump_waits() {
+        let (_stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let mut slowest = Duration::ZERO;
+        for _ in 0..300 {
+            let began = Instant::now();
+            pump.attach(Arc::new(|_| {}));
+            slowest = slowest.max(began.elapsed());
+        }
+        assert!(
+            slowest < Duration::from_millis(500),
+            "slowest claim took {slowest:?}"
+        );
+    }
+
+    #[test]
+    fn lines_reach_the_attached_sink_in_order() {
+        let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let seen = Arc::new(std::sync::Mutex::new(String::new()));
+        let sink_seen = Arc::clone(&seen);
+        pump.attach(Arc::new(move |output| {
+            if let super::CellOutput::Stream(_, text) = output {
+                sink_seen.lock().unwrap().push_str(&text);
+            }
+        }));
+        for i in 0..50 {
+            stdout_tx.send(format!("line {i}")).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while seen.lock().unwrap().lines().count() < 50 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let expected: String = (0..50).map(|i| format!("line {i}\n")).collect();
+        assert_eq!(*seen.lock().unwrap(), expected);
+    }
+
+    #[test]
+    fn a_line_sent_before_detach_reaches_the_cell_that_printed_it() {
+        for _ in 0..30 {
+            let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+            let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+            let pump = StreamPump::start(stdout, stderr);
+            let seen = Arc::new(std::sync::Mutex::new(0));
+            let counter = Arc::clone(&seen);
+            pump.attach(Arc::new(move |_| *counter.lock().unwrap() += 1));
+            stdout_tx.send("last line".into()).unwrap();
+            // As evcxr does before it returns: wait until the channel is empty.
+            while !stdout_tx.is_empty() {
+                std::thread::yield_now();
+            }
+            pump.detach(None, Duration::from_secs(5));
+            assert_eq!(*seen.lock().unwrap(), 1);
+        }
+    }
 }
