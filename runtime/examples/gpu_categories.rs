@@ -15,7 +15,7 @@ fn main() {
     let device = Device::cuda_if_available();
     let (width, layers) = (5000, 8);
     // As the kernel does when a session starts: the context alone, for the NVML reconciliation.
-    let context_at_start = record::measure_context();
+    let at_start = record::measure_context();
     record::before_cell();
     let vs = nn::VarStore::new(device);
     let mut model = nn::seq();
@@ -47,7 +47,8 @@ fn main() {
     let json = serde_json::json!({
         "device": format!("{device:?}"),
         "parameters": parameters,
-        "context_at_start": context_at_start,
+        "context_at_start": at_start.map(|s| s.context),
+        "workspace_at_start": at_start.map(|s| s.workspace),
         "after_build": built,
         "after_first_adam_step": steps[0],
         "after_second_adam_step": steps[1],

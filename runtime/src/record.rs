@@ -59,18 +59,30 @@ pub fn after_cell() -> MemoryRecord {
     }
 }
 
-fn context_at_start() -> Option<u64> {
+/// What the session start measured on the device, before any cell ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtStart {
+    /// NVML process usage minus the allocator's reserved bytes: the CUDA context on its own.
+    pub context: u64,
+    /// Bytes still allocated once the cache was emptied: cuBLAS's workspace, which the
+    /// allocator hands out like a tensor but which belongs with the context.
+    pub workspace: u64,
+}
+
+fn at_start() -> Option<AtStart> {
     *crate::shared::shared()
-        .context_at_start
+        .at_start
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
 
 /// Measures the CUDA context on its own: initialises CUDA and cuBLAS with a small matmul and its
 /// backward, frees them and the allocator's cache, and reads this process's NVML usage, which
-/// minus the allocator's reserved bytes (normally none) is then the context. Records later compare NVML usage with
-/// it. Does nothing without CUDA or NVML. The kernel calls it when a session starts.
-pub fn measure_context() -> Option<u64> {
+/// minus the allocator's reserved bytes is then the context. What stays allocated (cuBLAS's
+/// workspace) is remembered too, so that records count it as context + workspace rather than
+/// as the first cell's tensors. Does nothing without CUDA. The kernel calls it when a session
+/// starts.
+pub fn measure_context() -> Option<AtStart> {
     if !tch::Cuda::is_available() {
         return None;
     }
@@ -82,14 +94,20 @@ pub fn measure_context() -> Option<u64> {
     }
     tch::Cuda::synchronize(DEVICE);
     cuda_stats::empty_cache().ok()?;
-    let reserved = cuda_stats::device_stats(DEVICE).ok()?.current.reserved;
-    let process = nvml::process_bytes(DEVICE as u32).ok()?;
-    let context = process.saturating_sub(reserved);
+    let current = cuda_stats::device_stats(DEVICE).ok()?.current;
+    // Without NVML the workspace is still known; the context then is not.
+    let context = nvml::process_bytes(DEVICE as u32)
+        .map(|process| process.saturating_sub(current.reserved))
+        .unwrap_or(0);
+    let measured = AtStart {
+        context,
+        workspace: current.allocated,
+    };
     *crate::shared::shared()
-        .context_at_start
+        .at_start
         .lock()
-        .unwrap_or_else(|e| e.into_inner()) = Some(context);
-    Some(context)
+        .unwrap_or_else(|e| e.into_inner()) = Some(measured);
+    Some(measured)
 }
 
 /// The memory as it is now, without a cell around it.
@@ -102,6 +120,8 @@ pub fn current() -> MemoryRecord {
 
 fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> MemoryRecord {
     let mut notes = Vec::new();
+    let start = at_start();
+    let workspace = start.map_or(0, |s| s.workspace);
     let (device_free, device_total) = cuda_stats::memory_info(DEVICE).unwrap_or_else(|why| {
         notes.push(format!("cudaMemGetInfo failed: {why}"));
         (0, 0)
@@ -122,7 +142,8 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         device_total,
         device_free,
         nvml_process,
-        context_at_start: context_at_start(),
+        context_at_start: start.map(|s| s.context).filter(|&c| c > 0),
+        workspace_at_start: start.map(|s| s.workspace),
         oom_events: crate::oom::take_events(),
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
@@ -138,7 +159,11 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
     let counted: u64 = categories.iter().map(|c| c.bytes).sum();
     categories.push(Category {
         name: CategoryName::Other,
-        bytes: stats.current.allocated.saturating_sub(counted),
+        bytes: stats
+            .current
+            .allocated
+            .saturating_sub(counted)
+            .saturating_sub(workspace),
         exact: false,
         how: if optimizer_state > 0 {
             "allocated bytes minus the categories above".into()
@@ -157,20 +182,8 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         exact: true,
         how: "allocator: reserved − allocated".into(),
     });
-    if let Some(process) = nvml_process {
-        categories.push(Category {
-            name: CategoryName::CudaContext,
-            bytes: process.saturating_sub(stats.current.reserved),
-            exact: false,
-            how: match context_at_start() {
-                Some(context) => format!(
-                    "NVML process usage − allocator reserved; of this, {} MiB is the context \
-                     measured at start, the rest kernels loaded since and library workspaces",
-                    context >> 20
-                ),
-                None => "NVML process usage − allocator reserved".into(),
-            },
-        });
+    if let Some(category) = context_category(nvml_process, stats.current.reserved, start) {
+        categories.push(category);
     }
     MemoryRecord {
         device: format!("cuda:{DEVICE}"),
@@ -181,6 +194,50 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         recording_seconds: None,
         wall_seconds: None,
     }
+}
+
+/// "CUDA context + workspace": NVML's usage beyond the allocator's reserved bytes, plus the
+/// workspace the session start left allocated (inside reserved, so not counted twice).
+fn context_category(
+    nvml_process: Option<u64>,
+    reserved: u64,
+    start: Option<AtStart>,
+) -> Option<Category> {
+    let workspace = start.map_or(0, |s| s.workspace);
+    let workspace_note = if workspace > 0 {
+        format!(
+            ", plus {} MiB of cuBLAS workspace allocated at session start",
+            workspace >> 20
+        )
+    } else {
+        String::new()
+    };
+    let (bytes, how) = match (nvml_process, start) {
+        (Some(process), Some(start)) if start.context > 0 => (
+            process.saturating_sub(reserved) + workspace,
+            format!(
+                "NVML process usage − allocator reserved{workspace_note}; of this, {} MiB is \
+                 the context measured at start, the rest kernels loaded since and library \
+                 workspaces",
+                start.context >> 20
+            ),
+        ),
+        (Some(process), _) => (
+            process.saturating_sub(reserved) + workspace,
+            format!("NVML process usage − allocator reserved{workspace_note}"),
+        ),
+        (None, _) if workspace > 0 => (
+            workspace,
+            "cuBLAS workspace allocated at session start (no NVML: the context is unknown)".into(),
+        ),
+        (None, _) => return None,
+    };
+    Some(Category {
+        name: CategoryName::CudaContext,
+        bytes,
+        exact: false,
+        how,
+    })
 }
 
 fn cpu_record(why: String) -> MemoryRecord {
@@ -266,5 +323,38 @@ pub extern "C" fn tchmem_runtime_after_cell() -> *mut c_char {
 pub unsafe extern "C" fn tchmem_runtime_free(text: *mut c_char) {
     if !text.is_null() {
         drop(CString::from_raw(text));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{context_category, AtStart};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_workspace_left_at_session_start_counts_as_context_not_as_a_cells_tensors() {
+        let start = AtStart {
+            context: 500 * MIB,
+            workspace: 64 * MIB,
+        };
+        // NVML sees the context and the reserved bytes, which hold the workspace.
+        let category = context_category(Some(500 * MIB + 66 * MIB), 66 * MIB, Some(start)).unwrap();
+        assert_eq!(category.bytes, 564 * MIB);
+        assert!(category.how.contains("64 MiB of cuBLAS workspace"));
+        assert!(category
+            .how
+            .contains("500 MiB is the context measured at start"));
+    }
+
+    #[test]
+    fn without_nvml_the_workspace_alone_is_shown_and_without_either_nothing() {
+        let start = AtStart {
+            context: 0,
+            workspace: 64 * MIB,
+        };
+        let category = context_category(None, 66 * MIB, Some(start)).unwrap();
+        assert_eq!(category.bytes, 64 * MIB);
+        assert!(context_category(None, 66 * MIB, None).is_none());
     }
 }

@@ -23,8 +23,9 @@ pub struct Shared {
     pub before: Mutex<Option<Before>>,
     /// What the training-step markers measured.
     pub phases: Mutex<Phases>,
-    /// NVML process usage right after CUDA was initialised (see record::measure_context).
-    pub context_at_start: Mutex<Option<u64>>,
+    /// The CUDA context and library workspaces measured when the session started (see
+    /// record::measure_context).
+    pub at_start: Mutex<Option<crate::record::AtStart>>,
     /// What the OOM observer reported since the running cell began (see oom.rs).
     pub oom_events: Mutex<Vec<tchmem_wire::memory::OomEvent>>,
 }
@@ -60,7 +61,7 @@ pub fn shared() -> &'static Shared {
                 watched: Mutex::new(Watched::default()),
                 before: Mutex::new(None),
                 phases: Mutex::new(Phases::default()),
-                context_at_start: Mutex::new(None),
+                at_start: Mutex::new(None),
                 oom_events: Mutex::new(Vec::new()),
             }))
         };

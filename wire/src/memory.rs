@@ -43,6 +43,11 @@ pub struct CudaMemory {
     /// and before anything was allocated: the CUDA context on its own.
     #[serde(default)]
     pub context_at_start: Option<u64>,
+    /// Allocator bytes still allocated right after that measurement: the workspace cuBLAS
+    /// keeps per handle and stream (allocated through the caching allocator, never freed by
+    /// emptying the cache). Counted as "CUDA context + workspace", not as a cell's tensors.
+    #[serde(default)]
+    pub workspace_at_start: Option<u64>,
     /// What libtorch's OOM observer saw each time the allocator gave up on a request during the
     /// cell (empty without the observer).
     #[serde(default)]
