@@ -13,7 +13,7 @@ use super::streams::{CellOutput, StreamName};
 use super::{CellIo, CellOutcome};
 use crate::magics::optimize::OptimizeRequest;
 use crate::magics::CellMagicSource;
-use crate::report::compare::{comparison_display, Side};
+use crate::report::compare::{comparison_display, is_out_of_memory, Side};
 use crate::rewrite::{self, Refusal};
 
 /// The error for a loop the rewriter will not touch: what it looked for, on which line of the
@@ -184,6 +184,12 @@ impl Session {
             &rewritten_side,
         )));
         match (&original_side, &rewritten_side) {
+            // Both ran out of memory: that is the comparison's answer, and the display says it.
+            (Err(original), Err(rewritten))
+                if is_out_of_memory(original) && is_out_of_memory(rewritten) =>
+            {
+                CellOutcome::default()
+            }
             (Err(original), Err(rewritten)) => fail(CellError::new(
                 "CompareFailed",
                 format!(

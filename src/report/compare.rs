@@ -33,7 +33,8 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
     let row = |what: &str, show: &dyn Fn(&CompareRun) -> String| {
         let cell = |side: &Side| match side {
             Ok(run) => show(run),
-            Err(why) => format!("failed: {why}"),
+            // The error's name; the verdict under the table gives the whole reason once.
+            Err(why) => format!("failed: {}", why.split(':').next().unwrap_or(why)),
         };
         (what.to_string(), cell(original), cell(rewritten))
     };
@@ -85,11 +86,23 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
     rows
 }
 
+/// Whether a side failed because memory ran out (a result worth showing, not a failure of the
+/// comparison).
+pub fn is_out_of_memory(side_error: &str) -> bool {
+    side_error.starts_with("OutOfMemory")
+}
+
 /// The verdict line: the saving in bytes and percent, and the time cost.
 pub fn verdict(original: &Side, rewritten: &Side) -> String {
     match (original, rewritten) {
-        (Err(_), Ok(run)) => format!(
-            "The original failed; the rewritten loop ran {} steps{}.",
+        (Err(a), Err(b)) if is_out_of_memory(a) && is_out_of_memory(b) => {
+            "Neither fits: the original and the rewritten loop both ran out of memory. This \
+             technique alone is not enough here; combine it with another (flags can be given \
+             together)."
+                .to_string()
+        }
+        (Err(why), Ok(run)) => format!(
+            "The original failed ({why}); the rewritten loop ran {} steps{}.",
             run.losses.len(),
             run.peak_allocated.map_or(String::new(), |p| format!(
                 " with a peak of {}",
@@ -275,6 +288,15 @@ mod tests {
         );
         let plain = display.data["text/plain"].as_str().unwrap();
         assert!(plain.contains("1.000e-3"), "{plain}");
+    }
+
+    #[test]
+    fn both_sides_out_of_memory_is_a_verdict_and_other_failures_are_not() {
+        let oom: Side = Err("OutOfMemory: CUDA ran out of memory in this cell".into());
+        let plain =
+            comparison_display("--amp bf16", &oom, &oom.clone()).data["text/plain"].to_string();
+        assert!(plain.contains("Neither fits"), "{plain}");
+        assert!(!super::is_out_of_memory("Panic: boom"));
     }
 
     #[test]
