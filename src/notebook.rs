@@ -118,8 +118,24 @@ pub fn execute(
         if failures.is_empty() || allow_errors {
             execution_count += 1;
             eprintln!("[tchmem] cell {}: running", index + 1);
-            let (outputs, mut outcome) = run_cell(engine, code);
-            let mut outputs = outputs;
+            let started = chrono::Utc::now();
+            let (mut outputs, mut outcome) = run_cell(engine, code);
+            let finished = chrono::Utc::now();
+            eprintln!(
+                "[tchmem] cell {}: {} in {:.2} s",
+                index + 1,
+                if outcome.error.is_some() {
+                    "failed"
+                } else {
+                    "ok"
+                },
+                (finished - started).num_milliseconds() as f64 / 1000.0
+            );
+            // Where JupyterLab and nbclient record a cell's timing.
+            cell["metadata"]["execution"] = json!({
+                "shell.execute_reply.started": started.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                "shell.execute_reply": finished.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            });
             if let Some(error) = &outcome.error {
                 failures.push(format!(
                     "cell {}: {}: {}",
