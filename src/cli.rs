@@ -43,6 +43,13 @@ enum Command {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Build a compile slot (tch, torch-sys and the runtime, compiled for cells) so that the next
+    /// kernel starts in seconds. scripts/setup and offline installs run it; it is quick when the
+    /// slot is already built.
+    Prepare {
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
     /// Draw a memory record (application/vnd.tchmem.record+json, as a file) as the SVG chart
     /// the kernel shows under a cell.
     Chart {
@@ -85,6 +92,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Install(args) => crate::install::install(&args),
+        Command::Prepare { engine } => prepare(&engine),
         Command::Chart {
             record,
             output,
@@ -104,6 +112,43 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             result
         }
     }
+}
+
+/// Starts the engine (which builds the slot if needed) and runs one cell that uses tch and the
+/// runtime, so that a failure to build them is reported here rather than in a user's cell.
+fn prepare(args: &EngineArgs) -> anyhow::Result<()> {
+    use crate::engine::{CellIo, CellOutput};
+    let started = std::time::Instant::now();
+    let (engine, workdir) = start_engine(args)?;
+    let io = CellIo {
+        output: std::sync::Arc::new(|output| {
+            if let CellOutput::Stream(_, text) = output {
+                eprint!("{text}");
+            }
+        }),
+        input: None,
+    };
+    let cell = "let _ = (tchmem::version(), tch::Tensor::from(1i64));".to_string();
+    let outcome = engine
+        .execute(cell, io)
+        .blocking_recv()
+        .context("the engine stopped")?;
+    engine.stop_child();
+    if let Some(error) = outcome.error {
+        anyhow::bail!(
+            "the compile slot {} could not build tch and the runtime: {}: {}\n{}",
+            workdir.path.display(),
+            error.ename,
+            error.evalue,
+            error.traceback.join("\n")
+        );
+    }
+    println!(
+        "compile slot {} ready in {:.1} s",
+        workdir.path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn chart(

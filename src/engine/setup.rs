@@ -100,11 +100,22 @@ impl EngineConfig {
     }
 }
 
-/// `$TCHMEM_RUNTIME_DIR`, else the `runtime/` crate beside this binary's sources.
+/// `$TCHMEM_RUNTIME_DIR`; else `share/tchmem/runtime` beside the binary's `bin/` (an offline
+/// bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's sources.
 fn runtime_crate_dir() -> PathBuf {
-    std::env::var_os("TCHMEM_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
+    if let Some(dir) = std::env::var_os("TCHMEM_RUNTIME_DIR") {
+        return PathBuf::from(dir);
+    }
+    let bundled = std::env::current_exe().ok().and_then(|exe| {
+        let dir = exe
+            .canonicalize()
+            .ok()?
+            .parent()?
+            .parent()?
+            .join("share/tchmem/runtime");
+        dir.join("Cargo.toml").is_file().then_some(dir)
+    });
+    bundled.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
 }
 
 /// Creates the evcxr context whose child is this binary in child mode.
