@@ -6,6 +6,7 @@
 //! queue (see [`Engine::interrupt`]).
 
 mod errors;
+mod infer;
 mod optimize;
 mod positions;
 mod session;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use evcxr::{CommandContext, EvalCallbacks};
 
 use super::errors::{self, CellError, Termination};
+use super::infer;
 use super::positions::{byte_to_char, char_to_byte};
 use super::setup::{create_context, EngineConfig};
 use super::streams::{CellOutput, StreamName, StreamPump};
@@ -50,6 +51,77 @@ fn mode_name(mode: ProfileMode) -> &'static str {
         ProfileMode::Always => "always",
         ProfileMode::Off => "off",
     }
+}
+
+/// When evcxr's analysis could not type a variable the cell defines: the cell with the types
+/// the compiler names written out (see [`super::infer`]), after telling the user; `None` when
+/// the compiler cannot help either.
+fn typed_by_compiler(
+    context: &mut CommandContext,
+    code: &str,
+    message: &str,
+    output: &super::OutputSink,
+) -> Option<String> {
+    let variable = infer::unknown_variable(message)?;
+    let lets = infer::untyped_lets(code).unwrap_or_default();
+    tracing::debug!("type probe for `{variable}`: untyped lets {lets:?}");
+    if lets.is_empty() {
+        return None;
+    }
+    let probe = context.execute(&infer::probe_cell(code, &lets));
+    let errors = match probe {
+        Err(evcxr::Error::CompilationErrors(errors)) => errors,
+        other => {
+            tracing::debug!("type probe: no compile errors to read: {:?}", other.err());
+            return None;
+        }
+    };
+    tracing::debug!(
+        "type probe: {:?}",
+        errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
+    );
+    let types: Vec<String> = errors
+        .iter()
+        .filter(|e| e.code() == Some("E0308"))
+        .map(|e| infer::found_type(&e.rendered()))
+        .collect::<Option<_>>()?;
+    if types.len() != lets.len() {
+        return None;
+    }
+    // rustc names types by their shortest unique path (`VarStore`), which the cell may not have
+    // imported: a second probe writes the types where rustc suggests imports for them.
+    let mut imports = String::new();
+    if let Err(evcxr::Error::CompilationErrors(errors)) =
+        context.execute(&infer::type_probe_cell(&types))
+    {
+        tracing::debug!(
+            "type names probe: {:?}",
+            errors
+                .iter()
+                .map(|e| (e.code(), e.help(), e.message()))
+                .collect::<Vec<_>>()
+        );
+        imports = infer::suggested_imports(
+            errors
+                .iter()
+                .filter(|e| e.code() == Some("E0412"))
+                .flat_map(|e| e.help()),
+        );
+    }
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: the code analysis could not tell the type of `{variable}`; the compiler \
+             names {}, so the cell runs with that written out (a type the cell has not \
+             imported needs a `use`, or write the type yourself)\n",
+            lets.iter()
+                .zip(&types)
+                .map(|(l, t)| format!("`{}: {t}`", l.probe))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ));
+    Some(imports + &infer::annotate(code, &lets, &types))
 }
 
 /// How long to wait for the end of a cell's stderr after the cell returned.
@@ -323,7 +395,12 @@ impl Session {
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = true;
-        let result = context.execute_with_callbacks(code, &mut callbacks);
+        let mut result = context.execute_with_callbacks(code, &mut callbacks);
+        if let Err(evcxr::Error::Message(message)) = &result {
+            if let Some(annotated) = typed_by_compiler(context, code, message, &io.output) {
+                result = context.execute_with_callbacks(&annotated, &mut callbacks);
+            }
+        }
         *self
             .control
             .running

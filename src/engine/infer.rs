@@ -1,0 +1,191 @@
+//! When evcxr's code analysis cannot tell the type of a variable a cell defines (it keeps every
+//! variable between cells, so it must name its type), ask the compiler instead of failing the
+//! cell: compile the cell once more inside `if false { … }` with `let _: () = variable;` after
+//! it, read the type from rustc's "expected `()`, found `T`", and run the cell with the type
+//! written out. Nothing runs during the probe: it never compiles.
+
+use syn::{Pat, Stmt};
+
+/// The variable named by evcxr's "Couldn't automatically determine type of variable `x`".
+pub fn unknown_variable(message: &str) -> Option<&str> {
+    message
+        .strip_prefix("Couldn't automatically determine type of variable `")?
+        .split('`')
+        .next()
+}
+
+/// A top-level `let` without a type: where `: T` goes, and its pattern as an expression.
+#[derive(Debug, PartialEq)]
+pub struct Untyped {
+    /// Byte offset in the cell just after the pattern.
+    pub insert_at: usize,
+    /// The pattern's variables as an expression of the same type (`x`, `(a, b)`).
+    pub probe: String,
+}
+
+/// The cell's top-level `let` statements that have no type and a plain pattern (names and
+/// tuples of names). `None` when the cell is not plain Rust statements.
+pub fn untyped_lets(code: &str) -> Option<Vec<Untyped>> {
+    if code.trim_start().starts_with(':') {
+        return None; // evcxr commands: not Rust
+    }
+    // Line 1 is the brace; the cell's line k is line k + 1.
+    let block: syn::Block = syn::parse_str(&format!("{{\n{code}\n}}")).ok()?;
+    let line_starts: Vec<usize> = std::iter::once(0)
+        .chain(code.match_indices('\n').map(|(i, _)| i + 1))
+        .collect();
+    let mut found = Vec::new();
+    for statement in &block.stmts {
+        let Stmt::Local(local) = statement else {
+            continue;
+        };
+        if local.init.is_none() || matches!(local.pat, Pat::Type(_)) {
+            continue;
+        }
+        let Some(probe) = pattern_expression(&local.pat) else {
+            continue;
+        };
+        let end = syn::spanned::Spanned::span(&local.pat).end();
+        let line_start = *line_starts.get(end.line.checked_sub(2)?)?;
+        let column: usize = code[line_start..]
+            .chars()
+            .take(end.column)
+            .map(char::len_utf8)
+            .sum();
+        found.push(Untyped {
+            insert_at: line_start + column,
+            probe,
+        });
+    }
+    Some(found)
+}
+
+fn pattern_expression(pattern: &Pat) -> Option<String> {
+    match pattern {
+        Pat::Ident(ident) if ident.by_ref.is_none() && ident.subpat.is_none() => {
+            Some(ident.ident.to_string())
+        }
+        Pat::Tuple(tuple) => {
+            let parts: Option<Vec<String>> = tuple.elems.iter().map(pattern_expression).collect();
+            let parts = parts?;
+            Some(match parts.len() {
+                1 => format!("({},)", parts[0]),
+                _ => format!("({})", parts.join(", ")),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The probe: the cell, never run, then one `let _: () = …;` per untyped `let`.
+pub fn probe_cell(code: &str, lets: &[Untyped]) -> String {
+    let probes: String = lets
+        .iter()
+        .map(|l| format!("let _: () = {};\n", l.probe))
+        .collect();
+    format!("{{ if false {{\n{code}\n;\n{probes}}} }}")
+}
+
+/// A cell that only names `types`, never run: for types rustc cannot find in the cell's scope,
+/// its errors suggest the imports.
+pub fn type_probe_cell(types: &[String]) -> String {
+    let lets: String = types
+        .iter()
+        .map(|t| format!("let _: Option<{t}> = None;\n"))
+        .collect();
+    format!("{{ if false {{\n{lets}}} }}")
+}
+
+/// The type rustc names in a mismatch with `()`, if it is one a program can write.
+pub fn found_type(rendered: &str) -> Option<String> {
+    let after = rendered.split("expected `()`, found `").nth(1)?;
+    let found = after.split('`').next()?.trim();
+    let writable =
+        !found.is_empty() && !found.contains('{') && !found.contains("impl ") && found != "()";
+    writable.then(|| found.to_string())
+}
+
+/// The cell with `: T` after each pattern.
+pub fn annotate(code: &str, lets: &[Untyped], types: &[String]) -> String {
+    let mut annotated = code.to_string();
+    for (untyped, found) in lets.iter().zip(types).rev() {
+        annotated.insert_str(untyped.insert_at, &format!(": {found}"));
+    }
+    annotated
+}
+
+/// The `use` lines among rustc's help texts ("consider importing this struct: use a::B;"),
+/// the first one per imported name, as lines to put before a cell.
+pub fn suggested_imports(helps: impl IntoIterator<Item = String>) -> String {
+    let mut names = std::collections::HashSet::new();
+    let mut imports = String::new();
+    for help in helps {
+        for line in help.lines().map(str::trim) {
+            let Some(path) = line.strip_prefix("use ").and_then(|l| l.strip_suffix(';')) else {
+                continue;
+            };
+            let name = path.rsplit("::").next().unwrap_or(path);
+            if names.insert(name.to_string()) {
+                imports.push_str(&format!("use {path};\n"));
+            }
+        }
+    }
+    imports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{annotate, found_type, probe_cell, unknown_variable, untyped_lets};
+
+    #[test]
+    fn finds_the_variable_evcxr_could_not_type() {
+        let message = "Couldn't automatically determine type of variable `hi`.\nPlease give it \
+                       an explicit type.";
+        assert_eq!(unknown_variable(message), Some("hi"));
+        assert_eq!(unknown_variable("something else"), None);
+    }
+
+    #[test]
+    fn untyped_lets_are_found_with_their_patterns_also_after_non_ascii_text() {
+        let code = "// → Chinese: 损失\nlet x: i32 = 1;\nlet (lo, mut hi) = (1.0, 2.0);\n\
+                    let é = vec![1];\nlet _ = 3;";
+        let lets = untyped_lets(code).unwrap();
+        let probes: Vec<&str> = lets.iter().map(|l| l.probe.as_str()).collect();
+        assert_eq!(probes, ["(lo, hi)", "é"]);
+        let annotated = annotate(code, &lets, &["(f64, f64)".into(), "Vec<i32>".into()]);
+        assert!(annotated.contains("let (lo, mut hi): (f64, f64) = (1.0, 2.0);"));
+        assert!(annotated.contains("let é: Vec<i32> = vec![1];"));
+        assert!(probe_cell(code, &lets).contains("let _: () = (lo, hi);"));
+    }
+
+    #[test]
+    fn imports_come_from_the_compilers_suggestions_once_per_name() {
+        let helps = vec![
+            "consider importing this struct\n\nuse tch::nn::VarStore;".to_string(),
+            "consider importing one of these items\n\nuse tch::nn::Optimizer;\nuse other::Optimizer;"
+                .to_string(),
+        ];
+        assert_eq!(
+            super::suggested_imports(helps),
+            "use tch::nn::VarStore;\nuse tch::nn::Optimizer;\n"
+        );
+    }
+
+    #[test]
+    fn commands_and_unparsable_cells_get_no_fallback() {
+        assert!(untyped_lets(":dep rand = \"0.8\"\nlet x = 1;").is_none());
+        assert!(untyped_lets("let x = ;").is_none());
+    }
+
+    #[test]
+    fn the_found_type_is_read_and_unwritable_ones_are_refused() {
+        let rendered = "error[E0308]: mismatched types\n  |\n3 | let _: () = (lo, hi);\n  |   \
+                        expected `()`, found `(f64, f64)`";
+        assert_eq!(found_type(rendered).as_deref(), Some("(f64, f64)"));
+        assert_eq!(found_type("expected `()`, found `{float}`"), None);
+        assert_eq!(
+            found_type("expected `()`, found `{closure@src/lib.rs:3:9}`"),
+            None
+        );
+    }
+}
