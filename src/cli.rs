@@ -1,4 +1,4 @@
-//! Command line: `tchmem kernel | install | execute`.
+//! Command line: `tchmem kernel | install | execute | prepare | chart`.
 
 use std::path::PathBuf;
 
