@@ -86,16 +86,6 @@ pub fn probe_cell(code: &str, lets: &[Untyped]) -> String {
     format!("{{ if false {{\n{code}\n;\n{probes}}} }}")
 }
 
-/// A cell that only names `types`, never run: for types rustc cannot find in the cell's scope,
-/// its errors suggest the imports.
-pub fn type_probe_cell(types: &[String]) -> String {
-    let lets: String = types
-        .iter()
-        .map(|t| format!("let _: Option<{t}> = None;\n"))
-        .collect();
-    format!("{{ if false {{\n{lets}}} }}")
-}
-
 /// The type rustc names in a mismatch with `()`, if it is one a program can write.
 pub fn found_type(rendered: &str) -> Option<String> {
     let after = rendered.split("expected `()`, found `").nth(1)?;
@@ -112,25 +102,6 @@ pub fn annotate(code: &str, lets: &[Untyped], types: &[String]) -> String {
         annotated.insert_str(untyped.insert_at, &format!(": {found}"));
     }
     annotated
-}
-
-/// The `use` lines among rustc's help texts ("consider importing this struct: use a::B;"),
-/// the first one per imported name, as lines to put before a cell.
-pub fn suggested_imports(helps: impl IntoIterator<Item = String>) -> String {
-    let mut names = std::collections::HashSet::new();
-    let mut imports = String::new();
-    for help in helps {
-        for line in help.lines().map(str::trim) {
-            let Some(path) = line.strip_prefix("use ").and_then(|l| l.strip_suffix(';')) else {
-                continue;
-            };
-            let name = path.rsplit("::").next().unwrap_or(path);
-            if names.insert(name.to_string()) {
-                imports.push_str(&format!("use {path};\n"));
-            }
-        }
-    }
-    imports
 }
 
 #[cfg(test)]
@@ -156,19 +127,6 @@ mod tests {
         assert!(annotated.contains("let (lo, mut hi): (f64, f64) = (1.0, 2.0);"));
         assert!(annotated.contains("let é: Vec<i32> = vec![1];"));
         assert!(probe_cell(code, &lets).contains("let _: () = (lo, hi);"));
-    }
-
-    #[test]
-    fn imports_come_from_the_compilers_suggestions_once_per_name() {
-        let helps = vec![
-            "consider importing this struct\n\nuse tch::nn::VarStore;".to_string(),
-            "consider importing one of these items\n\nuse tch::nn::Optimizer;\nuse other::Optimizer;"
-                .to_string(),
-        ];
-        assert_eq!(
-            super::suggested_imports(helps),
-            "use tch::nn::VarStore;\nuse tch::nn::Optimizer;\n"
-        );
     }
 
     #[test]

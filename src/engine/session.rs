@@ -88,26 +88,6 @@ fn typed_by_compiler(
     if types.len() != lets.len() {
         return None;
     }
-    // rustc names types by their shortest unique path (`VarStore`), which the cell may not have
-    // imported: a second probe writes the types where rustc suggests imports for them.
-    let mut imports = String::new();
-    if let Err(evcxr::Error::CompilationErrors(errors)) =
-        context.execute(&infer::type_probe_cell(&types))
-    {
-        tracing::debug!(
-            "type names probe: {:?}",
-            errors
-                .iter()
-                .map(|e| (e.code(), e.help(), e.message()))
-                .collect::<Vec<_>>()
-        );
-        imports = infer::suggested_imports(
-            errors
-                .iter()
-                .filter(|e| e.code() == Some("E0412"))
-                .flat_map(|e| e.help()),
-        );
-    }
     output(CellOutput::Stream(
         StreamName::Stderr,
         format!(
@@ -121,7 +101,7 @@ fn typed_by_compiler(
                 .join(", ")
         ),
     ));
-    Some(imports + &infer::annotate(code, &lets, &types))
+    Some(infer::annotate(code, &lets, &types))
 }
 
 /// How long to wait for the end of a cell's stderr after the cell returned.
