@@ -40,9 +40,13 @@ pub fn begin(steps: usize) {
     synchronize();
     let _ = cuda_stats::empty_cache();
     let _ = cuda_stats::reset_peak_stats(record::DEVICE);
+    let allocated_at_begin = cuda_stats::device_stats(record::DEVICE)
+        .ok()
+        .map(|stats| stats.current.allocated);
     *state() = Some(State {
         run: CompareRun {
             steps_wanted: steps,
+            allocated_at_begin,
             ..Default::default()
         },
         last: Instant::now(),

@@ -19,23 +19,70 @@ fn colour(name: CategoryName) -> RGBColor {
     }
 }
 
-/// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
-pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, String> {
-    let present: Vec<(CategoryName, u64)> = CategoryName::ALL
+/// Font sizes in pixels, for a 640 px wide chart that a notebook shows at about its size.
+pub(super) const TITLE_PX: f64 = 18.0;
+pub(super) const TEXT_PX: f64 = 14.0;
+
+/// plotters writes `font-size` as the size it is given divided by 1.24 (a 12 "pt" label
+/// became 9.7 px): sizes in pixels are scaled up by that much before they are handed over.
+pub(super) fn font(px: f64) -> FontDesc<'static> {
+    ("sans-serif", px * 1.24).into_font()
+}
+/// Height of one legend row.
+const ROW_PX: i32 = 22;
+
+/// The categories that hold bytes, in the chart's order (the summary line leaves out empty
+/// ones; so do the charts).
+fn non_empty(categories: &[Category]) -> Vec<(CategoryName, u64)> {
+    CategoryName::ALL
         .iter()
         .map(|&name| (name, category_bytes(categories, name)))
-        .filter(|(name, _)| categories.iter().any(|c| c.name == *name))
-        .collect();
+        .filter(|(_, bytes)| *bytes > 0)
+        .collect()
+}
+
+/// Draws a two-column legend of `entries` from `top`; returns the y below it.
+fn legend<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    entries: &[(CategoryName, String)],
+    left: i32,
+    top: i32,
+    width: i32,
+) -> Result<i32, String> {
+    for (i, (name, label)) in entries.iter().enumerate() {
+        let column = (i % 2) as i32 * (width / 2);
+        let row = top + (i / 2) as i32 * ROW_PX;
+        let swatch = Rectangle::new(
+            [(left + column, row), (left + column + 14, row + 14)],
+            colour(*name).filled(),
+        );
+        root.draw(&swatch).map_err(|e| e.to_string())?;
+        root.draw(&Text::new(
+            label.clone(),
+            (left + column + 20, row),
+            font(TEXT_PX),
+        ))
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(top + entries.len().div_ceil(2) as i32 * ROW_PX)
+}
+
+/// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
+pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, String> {
+    let present = non_empty(categories);
     let total: u64 = present.iter().map(|(_, bytes)| bytes).sum();
-    let (width, height) = (640u32, 90 + 18 * present.len().div_ceil(2) as u32);
+    let (width, height) = (
+        640u32,
+        96 + ROW_PX as u32 * present.len().div_ceil(2) as u32,
+    );
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let title = format!("{title}: {}", human_bytes(total));
-        root.draw(&Text::new(title, (10, 8), ("sans-serif", 14).into_font()))
+        root.draw(&Text::new(title, (10, 8), font(TITLE_PX)))
             .map_err(|e| e.to_string())?;
-        let (left, right, top, bar) = (10i32, width as i32 - 10, 30i32, 24i32);
+        let (left, right, top, bar) = (10i32, width as i32 - 10, 36i32, 28i32);
         let span = (right - left) as f64;
         let mut x = left as f64;
         for (name, bytes) in &present {
@@ -53,22 +100,11 @@ pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, Strin
             }
             x += w;
         }
-        for (i, (name, bytes)) in present.iter().enumerate() {
-            let column = (i % 2) as i32 * (width as i32 / 2);
-            let row = top + bar + 14 + (i / 2) as i32 * 18;
-            let swatch = Rectangle::new(
-                [(left + column, row), (left + column + 12, row + 12)],
-                colour(*name).filled(),
-            );
-            root.draw(&swatch).map_err(|e| e.to_string())?;
-            let label = format!("{}: {}", name.label(), human_bytes(*bytes));
-            root.draw(&Text::new(
-                label,
-                (left + column + 18, row),
-                ("sans-serif", 12).into_font(),
-            ))
-            .map_err(|e| e.to_string())?;
-        }
+        let entries: Vec<(CategoryName, String)> = present
+            .iter()
+            .map(|(name, bytes)| (*name, format!("{}: {}", name.label(), human_bytes(*bytes))))
+            .collect();
+        legend(&root, &entries, left, top + bar + 14, width as i32)?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
@@ -86,22 +122,46 @@ pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> 
         .map(|(_, categories)| categories.iter().map(|c| c.bytes).sum())
         .collect();
     let highest = totals.iter().copied().max().unwrap_or(0).max(1);
-    let (width, height) = (640u32, 220u32);
-    let (left, right, top, bottom) = (70i32, width as i32 - 10, 30i32, height as i32 - 30);
+    // Categories any run holds, for the legend.
+    let shown: Vec<(CategoryName, String)> = CategoryName::ALL
+        .into_iter()
+        .filter(|&name| {
+            runs.iter()
+                .any(|(_, categories)| category_bytes(categories, name) > 0)
+        })
+        .map(|name| (name, name.label().to_string()))
+        .collect();
+    let legend_rows = shown.len().div_ceil(2) as i32;
+    let width = 640u32;
+    let (left, right, top, bottom) = (84i32, width as i32 - 12, 40i32, 250i32);
+    let height = (bottom + 44 + legend_rows * ROW_PX) as u32;
     let slot = ((right - left) / runs.len().max(1) as i32).clamp(4, 48);
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let font = ("sans-serif", 12).into_font();
+        let text = font(TEXT_PX);
         let title = "memory after each run (stacked by category)";
-        root.draw(&Text::new(title, (10, 8), ("sans-serif", 14).into_font()))
-            .map_err(|e| e.to_string())?;
-        root.draw(&Text::new(human_bytes(highest), (4, top), font.clone()))
-            .map_err(|e| e.to_string())?;
-        root.draw(&Text::new("0", (4, bottom - 12), font.clone()))
+        root.draw(&Text::new(title, (10, 8), font(TITLE_PX)))
             .map_err(|e| e.to_string())?;
         let scale = (bottom - top) as f64 / highest as f64;
+        // The y axis: a labelled grid line at 0, ¼, ½, ¾ and all of the highest run.
+        for quarter in 0..=4u64 {
+            let bytes = highest * quarter / 4;
+            let y = bottom - (bytes as f64 * scale).round() as i32;
+            root.draw(&PathElement::new(
+                [(left - 4, y), (right, y)],
+                RGBColor(225, 225, 225),
+            ))
+            .map_err(|e| e.to_string())?;
+            let label = if quarter == 0 {
+                "0".to_string()
+            } else {
+                human_bytes(bytes)
+            };
+            root.draw(&Text::new(label, (6, y - 7), text.clone()))
+                .map_err(|e| e.to_string())?;
+        }
         for (i, (run, categories)) in runs.iter().enumerate() {
             let x = left + i as i32 * slot;
             let mut y = bottom as f64;
@@ -119,12 +179,65 @@ pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> 
                 }
                 y -= h;
             }
-            if runs.len() <= 40 || i % (runs.len() / 20).max(1) == 0 {
-                root.draw(&Text::new(run.to_string(), (x, bottom + 6), font.clone()))
+            if runs.len() <= 20 || i % (runs.len() / 10).max(1) == 0 {
+                root.draw(&Text::new(run.to_string(), (x, bottom + 6), text.clone()))
                     .map_err(|e| e.to_string())?;
             }
         }
+        root.draw(&Text::new(
+            "run (the cell's execution count)",
+            (left, bottom + 24),
+            text.clone(),
+        ))
+        .map_err(|e| e.to_string())?;
+        legend(&root, &shown, left, bottom + 48, width as i32 - left)?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn category(name: CategoryName, bytes: u64) -> Category {
+        Category {
+            name,
+            bytes,
+            exact: true,
+            how: String::new(),
+        }
+    }
+
+    #[test]
+    fn empty_categories_stay_out_of_the_legend() {
+        let categories = [
+            category(CategoryName::Parameters, 4 << 20),
+            category(CategoryName::Gradients, 0),
+        ];
+        let svg = stacked_bar("cuda:0", &categories).unwrap();
+        assert!(svg.contains("parameters: 4.0 MiB"), "{svg}");
+        assert!(!svg.contains("gradients"), "{svg}");
+        assert!(svg.contains("font-size=\"18\""), "{svg}");
+    }
+
+    #[test]
+    fn history_has_a_labelled_y_axis_and_a_legend() {
+        let first = [category(CategoryName::Parameters, 1 << 30)];
+        let second = [
+            category(CategoryName::Parameters, 1 << 30),
+            category(CategoryName::OptimizerState, 1 << 30),
+        ];
+        let svg = history_columns(&[(1, &first[..]), (2, &second[..])]).unwrap();
+        for label in [
+            "2.0 GiB",
+            "1.0 GiB",
+            "512.0 MiB",
+            "optimizer state",
+            "run (",
+        ] {
+            assert!(svg.contains(label), "{label} missing: {svg}");
+        }
+        assert!(!svg.contains("gradients"), "{svg}");
+    }
 }

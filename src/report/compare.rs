@@ -6,6 +6,7 @@ use serde_json::{Map, Value};
 use tchmem_wire::compare::CompareRun;
 use tchmem_wire::Display;
 
+use super::chart::{font, TEXT_PX, TITLE_PX};
 use super::escape;
 use super::format::human_bytes;
 
@@ -39,26 +40,49 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
         (what.to_string(), cell(original), cell(rewritten))
     };
     let cuda_only = "– (CUDA-only)";
-    let mut rows = vec![
-        row("steps run", &|r| r.losses.len().to_string()),
-        row("peak allocated", &|r| bytes_or(r.peak_allocated, cuda_only)),
+    let mut rows = vec![row("steps run", &|r| r.losses.len().to_string())];
+    let held_before = [original, rewritten]
+        .iter()
+        .any(|side| matches!(side, Ok(run) if run.allocated_at_begin.unwrap_or(0) > 0));
+    if held_before {
+        rows.push(row(
+            "already allocated when the run began (the notebook's tensors; not counted below)",
+            &|r| bytes_or(r.allocated_at_begin, cuda_only),
+        ));
+    }
+    rows.extend([
+        row("peak allocated by the loop", &|r| {
+            bytes_or(r.peak_above_begin(), cuda_only)
+        }),
         row(
             "… of which kept across steps (parameters, gradients, optimizer state)",
-            &|r| bytes_or(r.allocated_after_step, cuda_only),
+            &|r| bytes_or(r.kept_above_begin(), cuda_only),
         ),
         row(
             "… of which activations and temporaries (peak − kept, inferred)",
             &|r| bytes_or(transient(r), cuda_only),
         ),
-        row("peak reserved", &|r| bytes_or(r.peak_reserved, cuda_only)),
-        row("step time (median after the first)", &|r| {
-            r.typical_step_seconds()
-                .map_or("–".into(), |s| format!("{:.1} ms", s * 1000.0))
+        row("peak reserved by the loop", &|r| {
+            bytes_or(
+                r.peak_reserved
+                    .map(|p| p.saturating_sub(r.allocated_at_begin.unwrap_or(0))),
+                cuda_only,
+            )
         }),
+        row(
+            "step time: median after the first (fastest–slowest)",
+            &|r| match (r.typical_step_seconds(), r.step_range_seconds()) {
+                (Some(median), Some((lo, hi))) => {
+                    format!("{:.1} ms ({:.1}–{:.1})", median * 1e3, lo * 1e3, hi * 1e3)
+                }
+                (Some(median), None) => format!("{:.1} ms", median * 1e3),
+                _ => "–".into(),
+            },
+        ),
         row("last loss", &|r| {
             r.losses.last().map_or("–".into(), |l| format!("{l:.5}"))
         }),
-    ];
+    ]);
     if let (Ok(a), Ok(b)) = (original, rewritten) {
         let pairs: Vec<(f64, f64)> = a
             .losses
@@ -104,20 +128,22 @@ pub fn verdict(original: &Side, rewritten: &Side) -> String {
         (Err(why), Ok(run)) => format!(
             "The original failed ({why}); the rewritten loop ran {} steps{}.",
             run.losses.len(),
-            run.peak_allocated.map_or(String::new(), |p| format!(
-                " with a peak of {}",
-                human_bytes(p)
+            run.peak_above_begin().map_or(String::new(), |p| format!(
+                " with a peak of {}{}",
+                human_bytes(p),
+                held_before(run)
             ))
         ),
         (_, Err(why)) => format!("The rewritten loop failed: {why}"),
         (Ok(a), Ok(b)) => {
-            let memory = match (a.peak_allocated, b.peak_allocated) {
+            let memory = match (a.peak_above_begin(), b.peak_above_begin()) {
                 (Some(pa), Some(pb)) if pa > 0 => {
                     let saved = pa as i128 - pb as i128;
                     format!(
-                        "Peak memory {} → {}: {} {} ({:.1}%).",
+                        "Peak memory {} → {}{}: {} {} ({:.1}%).",
                         human_bytes(pa),
                         human_bytes(pb),
+                        held_before(a),
                         if saved >= 0 { "saves" } else { "costs" },
                         human_bytes(saved.unsigned_abs() as u64),
                         saved.abs() as f64 / pa as f64 * 100.0
@@ -138,19 +164,64 @@ pub fn verdict(original: &Side, rewritten: &Side) -> String {
                 }
                 _ => String::new(),
             };
-            memory + &time
+            memory + &time + &spread_caveat(a, b)
         }
+    }
+}
+
+/// " (above the … the notebook already held)", when it held anything.
+fn held_before(run: &CompareRun) -> String {
+    match run.allocated_at_begin {
+        Some(bytes) if bytes > 0 => format!(
+            " (above the {} the notebook already held)",
+            human_bytes(bytes)
+        ),
+        _ => String::new(),
+    }
+}
+
+/// Step times that vary a lot from step to step make the ratio a guess: say so, and how to
+/// firm it up.
+fn spread_caveat(a: &CompareRun, b: &CompareRun) -> String {
+    let spread = |run: &CompareRun| {
+        run.step_range_seconds()
+            .filter(|(lo, _)| *lo > 0.0)
+            .map_or(1.0, |(lo, hi)| hi / lo)
+    };
+    let widest = spread(a).max(spread(b));
+    if widest > 1.25 {
+        format!(
+            " Step times varied up to {widest:.1}x from step to step, so the time ratio is \
+             rough: compare more steps (--compare N), on an otherwise idle machine."
+        )
+    } else {
+        String::new()
     }
 }
 
 /// Loss curves of both runs (SVG).
 fn loss_chart(original: &Side, rewritten: &Side) -> Result<String, String> {
-    let series: Vec<(&str, &Vec<f64>, RGBColor)> = [
-        ("original", original, RGBColor(96, 125, 139)),
-        ("rewritten", rewritten, RGBColor(238, 76, 44)),
+    let same = matches!((original, rewritten), (Ok(a), Ok(b)) if a.losses == b.losses);
+    // The original is drawn wide and pale under the rewritten line, so that where the two
+    // coincide both stay visible; the legend says when they are identical.
+    let series: Vec<(&str, &Vec<f64>, ShapeStyle)> = [
+        (
+            if same {
+                "original (identical)"
+            } else {
+                "original"
+            },
+            original,
+            RGBColor(96, 125, 139).mix(0.45).stroke_width(7),
+        ),
+        (
+            "rewritten",
+            rewritten,
+            RGBColor(238, 76, 44).stroke_width(2),
+        ),
     ]
     .into_iter()
-    .filter_map(|(name, side, colour)| side.as_ref().ok().map(|r| (name, &r.losses, colour)))
+    .filter_map(|(name, side, style)| side.as_ref().ok().map(|r| (name, &r.losses, style)))
     .filter(|(_, losses, _)| !losses.is_empty())
     .collect();
     let all: Vec<f64> = series
@@ -171,32 +242,34 @@ fn loss_chart(original: &Side, rewritten: &Side) -> Result<String, String> {
         let root = SVGBackend::with_string(&mut svg, (640, 260)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let mut chart = ChartBuilder::on(&root)
-            .caption("loss per step", ("sans-serif", 14))
+            .caption("loss per step", font(TITLE_PX))
             .margin(10)
-            .x_label_area_size(28)
-            .y_label_area_size(56)
+            .x_label_area_size(40)
+            .y_label_area_size(72)
             .build_cartesian_2d(1usize..steps.max(2), (lo - pad)..(hi + pad))
             .map_err(|e| e.to_string())?;
         chart
             .configure_mesh()
             .x_desc("step")
+            .y_desc("loss")
+            .label_style(font(TEXT_PX))
+            .axis_desc_style(font(TEXT_PX))
             .light_line_style(WHITE)
             .draw()
             .map_err(|e| e.to_string())?;
-        for (name, losses, colour) in series {
+        for (name, losses, style) in series {
             chart
                 .draw_series(LineSeries::new(
                     losses.iter().enumerate().map(|(i, &v)| (i + 1, v)),
-                    colour.stroke_width(2),
+                    style,
                 ))
                 .map_err(|e| e.to_string())?
                 .label(name)
-                .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2))
-                });
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], style));
         }
         chart
             .configure_series_labels()
+            .label_font(font(TEXT_PX))
             .border_style(BLACK)
             .background_style(WHITE)
             .draw()
@@ -316,5 +389,45 @@ mod tests {
         assert!(text.contains("CUDA-only"), "{text}");
         let plain = comparison_display("--amp bf16", &a, &b).data["text/plain"].to_string();
         assert!(plain.contains("failed: OutOfMemory"), "{plain}");
+    }
+
+    #[test]
+    fn peaks_leave_out_what_the_notebook_already_held() {
+        let held = |peak: u64| {
+            let mut r = run(Some(peak), vec![1.0, 0.5, 0.25]);
+            r.allocated_at_begin = Some(100 << 30);
+            r.allocated_after_step = Some((100 << 30) + (2 << 30));
+            r
+        };
+        let (a, b) = (Ok(held(110 << 30)), Ok(held(104 << 30)));
+        let text = verdict(&a, &b);
+        assert!(
+            text.contains("10.0 GiB → 4.0 GiB (above the 100.0 GiB the notebook already held)"),
+            "{text}"
+        );
+        let plain = comparison_display("--checkpoint", &a, &b).data["text/plain"].to_string();
+        assert!(
+            plain.contains("already allocated when the run began"),
+            "{plain}"
+        );
+    }
+
+    #[test]
+    fn step_times_that_swing_come_with_a_caveat() {
+        let steady = run(None, vec![1.0, 0.5, 0.25]);
+        let mut swinging = steady.clone();
+        swinging.step_seconds = vec![1.0, 0.1, 0.4];
+        assert!(!verdict(&Ok(steady.clone()), &Ok(steady.clone())).contains("rough"));
+        let text = verdict(&Ok(steady), &Ok(swinging));
+        assert!(text.contains("varied up to 4.0x"), "{text}");
+    }
+
+    #[test]
+    fn identical_loss_curves_are_named_in_the_legend() {
+        let a = Ok(run(None, vec![3.0, 2.0, 1.0]));
+        let chart = loss_chart(&a, &a.clone()).unwrap();
+        assert!(chart.contains("original (identical)"), "{chart}");
+        let b = Ok(run(None, vec![3.0, 2.0, 1.5]));
+        assert!(!loss_chart(&a, &b).unwrap().contains("identical"));
     }
 }

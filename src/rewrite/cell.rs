@@ -92,6 +92,12 @@ pub(crate) fn parse(src: &str) -> Result<Cell, Refusal> {
     })
 }
 
+/// Whether syn can parse `text` without risk to the stack: brackets nest at most
+/// [`MAX_NESTING`] deep and no run of tokens is longer than [`MAX_RUN`].
+pub(crate) fn parses_safely(text: &str) -> bool {
+    too_deep(text).is_none() && too_long(text).is_none()
+}
+
 /// The line where bracket nesting first goes past [`MAX_NESTING`] (1-based, in `text`).
 fn too_deep(text: &str) -> Option<usize> {
     let mut depth = 0usize;

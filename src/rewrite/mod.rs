@@ -30,6 +30,8 @@ mod tests;
 
 use std::fmt;
 
+pub(crate) use cell::parses_safely;
+
 /// Mixed-precision kind for `--amp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Amp {
@@ -232,7 +234,21 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
 
     let header = format!("%%optimize {}: rewritten by tchmem", options.flags());
     let code = cell::print(&cell, &block, &header);
+    in_line_order(&mut changes);
     Ok(Rewritten { code, changes })
+}
+
+/// Orders the changes by the cell line they name (the rewrites run in their own order, the
+/// reader reads top to bottom); changes without a line come last, in the order they were made.
+fn in_line_order(changes: &mut [String]) {
+    let line = |change: &String| -> Option<usize> {
+        let rest = change
+            .strip_prefix("lines ")
+            .or_else(|| change.strip_prefix("line "))?;
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    changes.sort_by_key(|change| line(change).unwrap_or(usize::MAX));
 }
 
 /// The stack the rewriter runs on: syn and the visitors recurse once per nesting level.

@@ -723,3 +723,27 @@ fn rewrite_deep_expressions_do_not_overflow() {
     let refused = rewrite(&chain, &options("--amp bf16")).unwrap_err();
     assert!(refused.message.contains("tokens"), "{refused}");
 }
+
+#[test]
+fn rewrite_changes_are_listed_in_line_order() {
+    let rewritten = rewrite_ok(
+        &reference("dropout"),
+        "--checkpoint --amp bf16 --accumulate 4 --optimizer adafactor",
+    );
+    let lines: Vec<usize> = rewritten
+        .changes
+        .iter()
+        .filter_map(|change| {
+            let rest = change
+                .strip_prefix("lines ")
+                .or(change.strip_prefix("line "))?;
+            rest.split([':', '–']).next()?.parse().ok()
+        })
+        .collect();
+    assert!(lines.len() >= 3, "{:?}", rewritten.changes);
+    assert!(
+        lines.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{:?}",
+        rewritten.changes
+    );
+}

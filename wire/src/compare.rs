@@ -17,6 +17,10 @@ pub struct CompareRun {
     pub losses: Vec<f64>,
     /// Wall time of each step in seconds (CUDA synchronised at each step's end).
     pub step_seconds: Vec<f64>,
+    /// Bytes allocated when the run began: what the notebook already holds (data, other
+    /// models), which both runs share (CUDA only).
+    #[serde(default)]
+    pub allocated_at_begin: Option<u64>,
     /// Allocator peaks since the run began (CUDA only).
     pub peak_allocated: Option<u64>,
     /// Peak reserved bytes since the run began (CUDA only).
@@ -29,6 +33,33 @@ pub struct CompareRun {
 }
 
 impl CompareRun {
+    /// The peak the run itself added to what was allocated when it began.
+    pub fn peak_above_begin(&self) -> Option<u64> {
+        Some(
+            self.peak_allocated?
+                .saturating_sub(self.allocated_at_begin.unwrap_or(0)),
+        )
+    }
+
+    /// What a step leaves allocated, beyond what was allocated when the run began: parameters,
+    /// gradients, optimizer state.
+    pub fn kept_above_begin(&self) -> Option<u64> {
+        Some(
+            self.allocated_after_step?
+                .saturating_sub(self.allocated_at_begin.unwrap_or(0)),
+        )
+    }
+
+    /// The fastest and slowest step after the first (the spread behind the median).
+    pub fn step_range_seconds(&self) -> Option<(f64, f64)> {
+        let times = self.step_seconds.get(1..).filter(|t| !t.is_empty())?;
+        Some(
+            times
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t))),
+        )
+    }
+
     /// Median step time after the first step (which pays for warm-up and lazy state), or the
     /// only step's time.
     pub fn typical_step_seconds(&self) -> Option<f64> {
@@ -57,5 +88,25 @@ mod tests {
         };
         assert_eq!(run.typical_step_seconds(), Some(0.2));
         assert_eq!(CompareRun::default().typical_step_seconds(), None);
+        assert_eq!(run.step_range_seconds(), Some((0.1, 0.3)));
+    }
+
+    #[test]
+    fn peaks_are_counted_above_what_the_notebook_already_held() {
+        let run = CompareRun {
+            allocated_at_begin: Some(100),
+            peak_allocated: Some(160),
+            allocated_after_step: Some(130),
+            ..Default::default()
+        };
+        assert_eq!(run.peak_above_begin(), Some(60));
+        assert_eq!(run.kept_above_begin(), Some(30));
+        // Runs recorded before the field existed count from zero.
+        let old: CompareRun = serde_json::from_str(
+            r#"{"steps_wanted":1,"losses":[],"step_seconds":[],"peak_allocated":5,
+                "peak_reserved":null,"allocated_after_step":null,"at_last_step":null}"#,
+        )
+        .unwrap();
+        assert_eq!(old.peak_above_begin(), Some(5));
     }
 }

@@ -21,6 +21,13 @@ pub const CELL_REPORT_MIME: &str = "application/vnd.tchmem.cell-report+json";
 /// Prefix of the stderr line that ends a cell's stderr; the cell's sync token follows it.
 pub const STDERR_SYNC_PREFIX: &str = "TCHMEM_STDERR_SYNC ";
 
+/// The marker evcxr's rich output starts with: a line `EVCXR_BEGIN_CONTENT <mime>`, the
+/// content, and a line [`EVCXR_END_CONTENT`].
+pub const EVCXR_BEGIN_CONTENT: &str = "EVCXR_BEGIN_CONTENT";
+
+/// The line that ends a block of evcxr rich output.
+pub const EVCXR_END_CONTENT: &str = "EVCXR_END_CONTENT";
+
 /// Prefix of a stdout line that carries a [`CellMessage`] as one line of JSON.
 pub const MESSAGE_PREFIX: &str = "TCHMEM_MSG ";
 
@@ -91,6 +98,16 @@ pub enum CellMessage {
         /// Clear only when new output arrives (avoids flicker in progress displays).
         wait: bool,
     },
+    /// A block of rich output the cell printed the evcxr way (a line `EVCXR_BEGIN_CONTENT
+    /// <mime>`, the content, a line `EVCXR_END_CONTENT`), taken out of stdout by the child. The
+    /// engine shows it as a display, or as part of the cell's result when evcxr printed it to
+    /// show the cell's final value.
+    Content {
+        /// The block's MIME type.
+        mime: String,
+        /// The lines between the markers, joined by newlines.
+        content: String,
+    },
     /// A panic, reported by the hook the runtime installs instead of the default stderr text.
     Panic {
         /// The thread that panicked.
@@ -105,10 +122,14 @@ pub enum CellMessage {
 impl CellMessage {
     /// The stdout line that carries this message.
     pub fn to_line(&self) -> String {
-        // serde_json escapes newlines, so the JSON is always one line.
+        // serde_json escapes newlines, so the JSON is always one line. evcxr takes any stdout
+        // line containing `EVCXR_BEGIN_CONTENT <word>` for the start of a block and swallows
+        // what follows: inside the JSON's strings (the only place text can hold it) the marker is
+        // written with an escaped `_`, which reads back the same.
+        let json = serde_json::to_string(self).expect("a CellMessage always serializes");
         format!(
             "{MESSAGE_PREFIX}{}",
-            serde_json::to_string(self).expect("a CellMessage always serializes")
+            json.replace(EVCXR_BEGIN_CONTENT, "EVCXR_BEGIN\\u005fCONTENT")
         )
     }
 
@@ -134,6 +155,10 @@ mod tests {
                 ..Default::default()
             }),
             CellMessage::ClearOutput { wait: true },
+            CellMessage::Content {
+                mime: "text/html".into(),
+                content: "<p>EVCXR_BEGIN_CONTENT text/html\\n</p>\nEVCXR_END_CONTENT".into(),
+            },
             CellMessage::Panic {
                 thread: "main".into(),
                 message: "two\nlines".into(),
@@ -143,6 +168,7 @@ mod tests {
         for message in messages {
             let line = message.to_line();
             assert!(!line.contains('\n'));
+            assert!(!line.contains(EVCXR_BEGIN_CONTENT), "{line}");
             assert_eq!(CellMessage::from_line(&line).unwrap().unwrap(), message);
         }
         assert!(CellMessage::from_line("plain output").is_none());

@@ -1,5 +1,5 @@
-// change: line 19: --optimizer adamw8bit: nn::AdamW → tchmem::optim::AdamW8bit (8-bit moments: about a quarter of Adam's state); the settings given to nn::AdamW are not carried over: tchmem::optim::AdamW8bit's defaults apply; same learning rate
 // change: line 7: --checkpoint: nn::seq_t() → tchmem::checkpoint::seq_t() (√layers segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 19: --optimizer adamw8bit: nn::AdamW → tchmem::optim::AdamW8bit (8-bit moments: about a quarter of Adam's state); the settings given to nn::AdamW are not carried over: tchmem::optim::AdamW8bit's defaults apply; same learning rate
 // change: line 19: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 28–29: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 28–29: --accumulate 2: the batch (bx, by) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before

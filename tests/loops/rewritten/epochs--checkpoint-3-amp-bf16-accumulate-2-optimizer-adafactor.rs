@@ -1,5 +1,5 @@
-// change: line 18: --optimizer adafactor: nn::Sgd → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); the settings given to nn::Sgd are not carried over: tchmem::optim::Adafactor's defaults apply; same learning rate
 // change: line 7: --checkpoint: nn::seq() → tchmem::checkpoint::seq() (3 segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 18: --optimizer adafactor: nn::Sgd → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); the settings given to nn::Sgd are not carried over: tchmem::optim::Adafactor's defaults apply; same learning rate
 // change: lines 32–34: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 32–34: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
 // %%optimize --checkpoint 3 --amp bf16 --accumulate 2 --optimizer adafactor: rewritten by tchmem

@@ -1,5 +1,5 @@
-// change: line 14: --optimizer adafactor: nn::Adam → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); same learning rate
 // change: line 8: --checkpoint: nn::seq() → tchmem::checkpoint::seq() (√layers segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 14: --optimizer adafactor: nn::Adam → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); same learning rate
 // change: lines 21–22: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 21–22: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
 // %%optimize --checkpoint --amp bf16 --accumulate 4 --optimizer adafactor: rewritten by tchmem

@@ -1,7 +1,7 @@
 // change: line 41: --optimizer lion: nn::adam → tchmem::optim::Lion (one f32 momentum per parameter, Adam keeps two); the settings given to nn::adam are not carried over: tchmem::optim::Lion's defaults apply; learning rate divided by 3 (see the comment in the code)
-// change: --optimizer lion: 1 type annotation nn::Optimizer → tchmem::optim::Optimizer
 // change: line 48: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 48: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: --optimizer lion: 1 type annotation nn::Optimizer → tchmem::optim::Optimizer
 // %%optimize --amp bf16 --accumulate 4 --optimizer lion: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};

@@ -1,5 +1,5 @@
-// change: line 10: --optimizer sgd: nn::RmsProp → tchmem::optim::Sgd (momentum 0.9: one f32 state tensor per parameter, Adam keeps two); same learning rate (SGD often wants a larger one than Adam: tune it)
 // change: line 6: --checkpoint: nn::seq() → tchmem::checkpoint::seq() (√layers segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 10: --optimizer sgd: nn::RmsProp → tchmem::optim::Sgd (momentum 0.9: one f32 state tensor per parameter, Adam keeps two); same learning rate (SGD often wants a larger one than Adam: tune it)
 // change: line 10: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 15–16: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 15–16: --accumulate 4: the batch (xs) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
