@@ -1,6 +1,8 @@
 //! Turning evcxr's failures into Jupyter errors (ename, evalue, traceback) that explain
 //! themselves.
 
+mod compile;
+
 use evcxr::{CompilationError, Error as EvcxrError};
 
 use super::streams::{Leftovers, PanicReport};
@@ -85,12 +87,40 @@ pub fn panic(leftovers: &Leftovers) -> CellError {
         },
         None => panic_message(&leftovers.stderr).unwrap_or_else(|| "the cell panicked".into()),
     };
-    let mut error = CellError::new("Panic", message);
+    let mut error = CellError::new("Panic", tidy_torch_error(&message));
     error.traceback.push(
         "Variables defined in this cell were dropped; variables from earlier cells are intact."
             .into(),
     );
     error
+}
+
+/// libtorch's errors reach a panic as `Torch("<what>\nException raised from <where> (most
+/// recent call first):\nframe #0: …")`, Debug-escaped: dozens of C++ frames that say nothing to
+/// a notebook user. Keeps what went wrong and the C++ function and file that raised it.
+fn tidy_torch_error(message: &str) -> String {
+    const OPEN: &str = "Torch(\"";
+    let Some(start) = message.find(OPEN) else {
+        return message.to_string();
+    };
+    let rest = &message[start + OPEN.len()..];
+    let Some(close) = rest.find("\\nException raised from ") else {
+        return message.to_string();
+    };
+    let what = rest[..close].replace("\\\"", "\"");
+    let after = &rest[close + "\\nException raised from ".len()..];
+    let raised = after
+        .split(" (most recent call first)")
+        .next()
+        .unwrap_or_default()
+        .split("\\n")
+        .next()
+        .unwrap_or_default();
+    let tail = after.find("\")").map_or("", |end| &after[end + 2..]);
+    format!(
+        "{}libtorch: {what} (raised in {raised}){tail}",
+        &message[..start]
+    )
 }
 
 /// Which memory a failed cell ran out of, judged by libtorch's error text.
@@ -204,11 +234,15 @@ fn panic_message(stderr: &str) -> Option<String> {
     })
 }
 
+/// Every compile error against the cell's own lines (see [`compile`]), one report after another.
 fn compilation(errors: &[CompilationError], code: &str) -> CellError {
     let mut traceback = Vec::new();
     for error in errors {
-        let rendered = render_report(error, code).unwrap_or_else(|| error.rendered());
-        traceback.extend(rendered.lines().map(str::to_string));
+        if !traceback.is_empty() {
+            traceback.push(String::new());
+        }
+        let report = compile::render(&compile::diagnostic(error), code, compile::Style::Ansi);
+        traceback.extend(report.lines().map(str::to_string));
     }
     let evalue = errors
         .first()
@@ -219,17 +253,6 @@ fn compilation(errors: &[CompilationError], code: &str) -> CellError {
         evalue,
         traceback,
     }
-}
-
-/// An ariadne report pointing into the cell's own source, as evcxr_jupyter shows it.
-fn render_report(error: &CompilationError, code: &str) -> Option<String> {
-    let file = "cell".to_string();
-    let report = error.build_report(file.clone(), code.to_string(), evcxr::Theme::Light)?;
-    let mut out = Vec::new();
-    report
-        .write((file, ariadne::Source::from(code)), &mut out)
-        .ok()?;
-    String::from_utf8(out).ok()
 }
 
 fn first_line(text: &str) -> &str {
@@ -248,7 +271,7 @@ mod tests {
                       boom: 3\nnote: run with `RUST_BACKTRACE=1`\n";
         let error = panic(&Leftovers {
             stderr: stderr.into(),
-            panics: Vec::new(),
+            ..Default::default()
         });
         assert_eq!(error.ename, "Panic");
         assert_eq!(error.evalue, "boom: 3 (at src/lib.rs:12:5)");
@@ -268,6 +291,7 @@ mod tests {
                 message: "index out of bounds".into(),
                 location: Some("src/lib.rs:3:1".into()),
             }],
+            ..Default::default()
         };
         assert_eq!(panic(&leftovers).evalue, "index out of bounds");
         let mut in_a_crate = leftovers;
@@ -330,6 +354,24 @@ mod tests {
         let oom = out_of_memory(panic, &MemoryRecord::default());
         assert_eq!(oom.ename, "OutOfMemory");
         assert!(oom.evalue.contains("CPU allocator"), "{}", oom.evalue);
+    }
+
+    #[test]
+    fn libtorch_errors_lose_their_cxx_frames() {
+        let message = "called `Result::unwrap()` on an `Err` value: Torch(\"mat1 and mat2 shapes \
+             cannot be multiplied (4x3 and 1x1)\\nException raised from meta at \
+             /pytorch/aten/src/ATen/native/LinearAlgebra.cpp:195 (most recent call first):\\n\
+             frame #0: c10::Error::Error(c10::SourceLocation, std::string)\\nframe #1: …\")";
+        assert_eq!(
+            tidy_torch_error(message),
+            "called `Result::unwrap()` on an `Err` value: libtorch: mat1 and mat2 shapes cannot \
+             be multiplied (4x3 and 1x1) (raised in meta at \
+             /pytorch/aten/src/ATen/native/LinearAlgebra.cpp:195)"
+        );
+        assert_eq!(
+            tidy_torch_error("index out of bounds"),
+            "index out of bounds"
+        );
     }
 
     #[test]
