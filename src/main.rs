@@ -5,6 +5,7 @@
 //! process that loads and runs compiled cells (selected by an environment variable, see
 //! [`child`]).
 
+mod cell_syntax;
 mod child;
 mod cli;
 mod engine;

@@ -18,9 +18,17 @@ class TchmemKernelTests(jkt.KernelTests):
         {"text": "std::collections::HashM"},
     ]
 
-    complete_code_samples = ["1 + 1", "fn f() {}", 'let s = "}";', "let c = '{';"]
-    incomplete_code_samples = ["fn f() {", "let v = vec![1,", 'let s = "open']
-    invalid_code_samples = ["fn f() { )", "}"]
+    complete_code_samples = [
+        "1 + 1",
+        "fn f() {}",
+        'let s = "}";',
+        "let c = '{';",
+        ':dep rand = "0.8"\nrand::random::<u8>()',
+        "%memprofile off\nlet x = 1;",
+        "%%optimize --show\nlet x = 1;",
+    ]
+    incomplete_code_samples = ["fn f() {", "let v = vec![1,", 'let s = "open', "let x ="]
+    invalid_code_samples = ["fn f() { )", "}", "let x = ;", "1 + / 2", "let = 5;"]
 
     code_generate_error = 'panic!("boom")'
 
@@ -31,6 +39,11 @@ class TchmemKernelTests(jkt.KernelTests):
 
     code_display_data = [
         {"code": 'tchmem::display::html("<b>hi</b>")', "mime": "text/html"},
+        # Printed the evcxr way (evcxr_runtime's mime_type helpers, plotters' evcxr feature).
+        {
+            "code": 'println!("EVCXR_BEGIN_CONTENT text/html\\n<b>hi</b>\\nEVCXR_END_CONTENT");',
+            "mime": "text/html",
+        },
         {
             "code": "tchmem::display::svg(\"<svg xmlns='http://www.w3.org/2000/svg'/>\")",
             "mime": "image/svg+xml",
@@ -41,6 +54,8 @@ class TchmemKernelTests(jkt.KernelTests):
     supported_history_operations = ("tail", "range", "search")
 
     code_inspect_sample = "std::vec::Vec::new"
+
+    code_page_something = ":help"
 
     code_clear_output = "tchmem::display::clear_output(false)"
 

@@ -12,7 +12,10 @@ import uuid
 import zmq
 from jupyter_client.session import Session
 
-from conftest import execute, outputs, result_text, stream_text
+from conftest import CELL_TIMEOUT, execute, outputs, result_text, stream_text
+
+# The memory summary some cells end with (%memprofile auto).
+MEMORY_MIME = "application/vnd.tchmem.record+json"
 
 
 def connect(km, channel):
@@ -151,3 +154,112 @@ def test_unknown_session_ids_get_fresh_uuid_msg_ids(kernel):
     _, kc = kernel
     reply = kc.kernel_info(reply=True, timeout=10)
     uuid.UUID(reply["header"]["msg_id"])
+
+
+def test_completion_offers_names_with_their_signatures_beside_them(kernel):
+    _, kc = kernel
+    reply, _ = execute(kc, "let completion_tensor = tch::Tensor::from(1.0f32);")
+    assert reply["status"] == "ok", reply
+    code = "completion_tensor.siz"
+    msg_id = kc.complete(code, len(code))
+    reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+    content = reply["content"]
+    # Names to insert, not calls with their parameter names filled in.
+    assert "size" in content["matches"], content["matches"]
+    assert all("(" not in m for m in content["matches"]), content["matches"]
+    assert content["cursor_start"] == len("completion_tensor.")
+    types = content["metadata"]["_jupyter_types_experimental"]
+    size = next(t for t in types if t["text"] == "size")
+    assert size["signature"].startswith("size(") and size["type"] == "function", size
+
+
+def test_evcxr_rich_output_is_display_data_in_order_with_the_text(kernel):
+    _, kc = kernel
+    code = r"""
+use std::io::Write;
+println!("before");
+println!("EVCXR_BEGIN_CONTENT text/html\n<b>first</b>\nline two\nEVCXR_END_CONTENT");
+// A block arriving in pieces, the marker itself split.
+print!("EVCXR_BEGIN_CON");
+std::io::stdout().flush().unwrap();
+std::thread::sleep(std::time::Duration::from_millis(100));
+print!("TENT image/svg+xml\n<svg xmlns='http://www.w3.org/2000/svg'>");
+std::io::stdout().flush().unwrap();
+std::thread::sleep(std::time::Duration::from_millis(100));
+println!("</svg>\nEVCXR_END_CONTENT");
+println!("after");
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    messages = [m for m in messages if MEMORY_MIME not in m["content"].get("data", {})]
+    kinds = [
+        (m["msg_type"], m["content"].get("text") or sorted(m["content"].get("data", {})))
+        for m in messages
+        if m["msg_type"] in ("stream", "display_data", "execute_result")
+    ]
+    assert kinds == [
+        ("stream", "before\n"),
+        ("display_data", ["text/html", "text/plain"]),
+        ("display_data", ["image/svg+xml", "text/plain"]),
+        ("stream", "after\n"),
+    ], kinds
+    html, svg = outputs(messages, "display_data")
+    assert html["data"]["text/html"] == "<b>first</b>\nline two"
+    assert html["data"]["text/plain"] == "[HTML output]"
+    assert svg["data"]["image/svg+xml"] == "<svg xmlns='http://www.w3.org/2000/svg'></svg>"
+    assert "EVCXR" not in stream_text(messages)
+
+
+def test_evcxr_display_of_a_cell_value_is_still_its_result(kernel):
+    _, kc = kernel
+    code = r"""
+struct Shown;
+impl Shown {
+    fn evcxr_display(&self) {
+        println!("EVCXR_BEGIN_CONTENT text/html\n<p>shown</p>\nEVCXR_END_CONTENT");
+    }
+}
+Shown
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    messages = [m for m in messages if MEMORY_MIME not in m["content"].get("data", {})]
+    assert outputs(messages, "display_data") == []
+    (result,) = outputs(messages, "execute_result")
+    assert result["data"]["text/html"] == "<p>shown</p>"
+    # A loop ending a cell has no value: what it prints the evcxr way is displays.
+    code = r"""
+for i in 0..2 {
+    println!("EVCXR_BEGIN_CONTENT text/html\n<p>{i}</p>\nEVCXR_END_CONTENT");
+}
+"""
+    reply, messages = execute(kc, code)
+    assert reply["status"] == "ok", reply
+    messages = [m for m in messages if MEMORY_MIME not in m["content"].get("data", {})]
+    assert [d["data"]["text/html"] for d in outputs(messages, "display_data")] == [
+        "<p>0</p>",
+        "<p>1</p>",
+    ]
+    assert outputs(messages, "execute_result") == []
+
+
+def test_help_goes_to_the_pager(kernel):
+    _, kc = kernel
+    for code, expected in [
+        (":help", ":dep"),
+        ("%memprofile --help", "auto"),
+        ("%%optimize --help", "--checkpoint"),
+    ]:
+        reply, messages = execute(kc, code)
+        assert reply["status"] == "ok", (code, reply)
+        (page,) = reply["payload"]
+        assert page["source"] == "page" and page["start"] == 0
+        assert expected in page["data"]["text/plain"], (code, page)
+        # Shown once, by the pager: not also as output.
+        assert outputs(messages, "execute_result") == [], code
+        assert expected not in stream_text(messages), code
+    # Other commands keep their output.
+    reply, messages = execute(kc, ":vars")
+    assert reply["payload"] == []

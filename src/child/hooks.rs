@@ -79,6 +79,12 @@ impl CellHooks {
         eprintln!("{STDERR_SYNC_PREFIX}{}", report.sync_token);
     }
 
+    /// Whether the next cell's evcxr rich output passes unchanged (see
+    /// [`StdoutTap::keep_blocks`]).
+    pub fn keep_evcxr_blocks(&self, keep: bool) {
+        self.tap.keep_blocks(keep);
+    }
+
     /// Writes a protocol line to the kernel.
     pub fn write_line(&self, line: &str) {
         self.tap.write_lines(&[line]);

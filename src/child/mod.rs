@@ -8,6 +8,7 @@
 //!
 //! The protocol is evcxr 0.22's internal one (pinned exactly in Cargo.toml).
 
+mod evcxr_content;
 mod hooks;
 mod runtime_hooks;
 mod stdout_tap;
@@ -20,6 +21,9 @@ use stdout_tap::StdoutTap;
 
 /// Environment variable that makes this binary act as the cell-running child.
 pub const CHILD_ENV: &str = "TCHMEM_CHILD";
+
+/// The function evcxr builds first, for its warm-up eval of `42`.
+const WARM_UP_FUNCTION: &str = "run_user_code_0";
 
 /// The line evcxr waits for after each cell.
 const EXECUTION_COMPLETE: &str = "EVCXR_EXECUTION_COMPLETE";
@@ -77,6 +81,11 @@ pub fn run() -> ! {
                     std::process::exit(99);
                 }
             };
+        // evcxr's warm-up eval is the first function it builds (`run_user_code_0`): its output is
+        // left for evcxr, which collects it before anyone reads its stdout channel. (After
+        // `:clear` the numbering starts again: that cell's rich output goes to its result, as in
+        // evcxr.)
+        hooks.keep_evcxr_blocks(function == WARM_UP_FUNCTION);
         hooks.before_cell();
         variable_store = cell(variable_store);
         hooks.after_cell();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use jupyter_protocol::{
     ClearOutput, CommInfoReply, CompleteReply, DisplayData, ErrorOutput, ExecuteInput,
     ExecuteReply, ExecuteRequest, ExecuteResult, ExecutionCount, HistoryReply, InspectReply,
-    IsCompleteReply, IsCompleteReplyStatus, JupyterMessage, JupyterMessageContent, Media,
+    IsCompleteReply, IsCompleteReplyStatus, JupyterMessage, JupyterMessageContent, Media, Payload,
     ReplyError, ReplyStatus, Stdio, Transient, UpdateDisplayData,
 };
 use serde_json::{Map, Value};
@@ -76,11 +76,12 @@ impl Shell {
                     .complete(complete.code.clone(), complete.cursor_pos)
                     .await
                     .unwrap_or_default();
+                let metadata = crate::engine::completion_metadata(&found);
                 CompleteReply {
                     matches: found.matches,
                     cursor_start: found.start,
                     cursor_end: found.end,
-                    metadata: Map::new(),
+                    metadata,
                     status: ReplyStatus::Ok,
                     error: None,
                 }
@@ -109,6 +110,7 @@ impl Shell {
                 }
                 .into()
             }
+            // Docs: https://jupyter-client.readthedocs.io/en/stable/messaging.html#code-completeness
             JupyterMessageContent::IsCompleteRequest(is_complete) => match judge(&is_complete.code)
             {
                 Completeness::Complete => IsCompleteReply::complete(),
@@ -194,7 +196,17 @@ impl Shell {
                 evalue: error.evalue,
                 traceback: error.traceback,
             }));
-        } else if !outcome.data.is_empty() && !silent {
+        } else if !outcome.page.is_empty() && !silent {
+            // Help goes to the pager, as ipykernel sends `?`: a `page` payload, which JupyterLab
+            // shows under the cell (and records as an output) and Notebook 6 in its pager. It
+            // is not also published, or JupyterLab would show it twice.
+            // Docs: https://jupyter-client.readthedocs.io/en/stable/messaging.html#payloads-deprecated
+            reply.payload.push(Payload::Page {
+                data: media(outcome.take_page()),
+                start: 0,
+            });
+        }
+        if outcome.error.is_none() && !outcome.data.is_empty() && !silent {
             let data = media(outcome.take_result());
             let mut result = ExecuteResult::new(count, data);
             // Protocol validators want an object here, never null.

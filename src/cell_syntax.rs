@@ -1,0 +1,232 @@
+//! What a cell's Rust syntax says before it runs: whether it can still become valid (for
+//! `is_complete_request`) and whether it ends in an expression whose value evcxr will show.
+//!
+//! A cell is read as evcxr reads it: the kernel's `%` magic lines (or a `%%` cell magic's line)
+//! and evcxr's leading `:` command, `!` shell and `//` comment lines are not Rust; the rest is a
+//! block of statements and items, possibly ending in an expression. It is parsed with syn on a
+//! thread of its own with a large stack, after the same size limits the rewriter uses.
+
+use syn::{Block, Expr, Stmt};
+
+use crate::magics;
+
+/// Cells larger than this are not parsed.
+const MAX_BYTES: usize = 1 << 20;
+
+/// Stack for the parsing thread: syn recurses once per nesting level and per unary operator.
+const PARSER_STACK: usize = 64 << 20;
+
+/// What parsing a cell found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Syntax {
+    /// The cell parses; what its last statement is.
+    Valid(Tail),
+    /// The cell stops too early (`let x =`, `a +`, `let y = 5` without `;`): more lines could
+    /// complete it.
+    Unfinished {
+        /// The indent of the last non-blank line, to continue with.
+        indent: usize,
+    },
+    /// A syntax error that no added line can fix (`let x = ;`, `1 + / 2`).
+    Invalid,
+    /// Not judged: too large or too deep for the parser, or a form this reading does not know
+    /// (inner attributes `#![…]`, which evcxr accepts at the top level of a cell).
+    Unknown,
+}
+
+/// The last statement of a cell, as far as displaying its value goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tail {
+    /// The cell ends with a statement, an item or nothing: evcxr shows no value.
+    Statement,
+    /// The cell ends in an expression whose value is always `()` (a `for` or `while` loop, an
+    /// `if` without `else`, an assignment, `println!`…): evcxr shows `()`, which the kernel
+    /// hides.
+    Unit,
+    /// The cell ends in an expression with a value to show.
+    Value,
+}
+
+/// Reads `cell` (a whole cell, magics included).
+pub fn read(cell: &str) -> Syntax {
+    let rust = rust_part(cell);
+    if rust.len() > MAX_BYTES || rust.contains("#!") {
+        return Syntax::Unknown;
+    }
+    // The closing brace is on a line of its own: an error there is the end of the cell.
+    let text = format!("{{\n{rust}\n}}");
+    if !crate::rewrite::parses_safely(&text) {
+        return Syntax::Unknown;
+    }
+    let end_line = text.lines().count();
+    let parsed = std::thread::Builder::new()
+        .name("cell-syntax".into())
+        .stack_size(PARSER_STACK)
+        .spawn(move || match syn::parse_str::<Block>(&text) {
+            Ok(block) => Syntax::Valid(tail(&block)),
+            Err(error) => {
+                // An error at the closing brace: the parser wanted more before the end
+                // ("unexpected end of input, expected an expression", "expected `;`").
+                let at = error.span().start();
+                if at.line == end_line && at.column == 0 {
+                    Syntax::Unfinished {
+                        indent: last_indent(&text),
+                    }
+                } else {
+                    Syntax::Invalid
+                }
+            }
+        });
+    match parsed.map(|thread| thread.join()) {
+        Ok(Ok(syntax)) => syntax,
+        _ => Syntax::Unknown,
+    }
+}
+
+/// The cell's Rust code, with the lines that are not Rust blanked (so that line numbers stay).
+fn rust_part(cell: &str) -> String {
+    let code = match magics::cell_magic(cell) {
+        Some(source) => source.body,
+        None => magics::split(cell).1,
+    };
+    let mut lines = Vec::new();
+    let mut leading = true;
+    for line in code.lines() {
+        // evcxr's rule: before the first line of Rust, blank lines, `//` comments, `!` shell
+        // commands and `:` commands (after optional spaces) are taken out.
+        leading = leading
+            && (line.trim().is_empty()
+                || line.starts_with("//")
+                || line.starts_with('!')
+                || line.trim_start_matches(' ').starts_with(':'));
+        lines.push(if leading { "" } else { line });
+    }
+    lines.join("\n")
+}
+
+/// The leading spaces of the last non-blank line of `text` (without its closing brace).
+fn last_indent(text: &str) -> usize {
+    let body = text.strip_suffix("\n}").unwrap_or(text);
+    body.lines()
+        .rev()
+        .find(|line| !line.trim().is_empty())
+        .map_or(0, |line| line.len() - line.trim_start().len())
+}
+
+fn tail(block: &Block) -> Tail {
+    match block.stmts.last() {
+        Some(Stmt::Expr(expr, None)) if always_unit(expr) => Tail::Unit,
+        Some(Stmt::Expr(_, None)) => Tail::Value,
+        Some(Stmt::Macro(stmt))
+            if stmt.semi_token.is_none()
+                && !matches!(stmt.mac.delimiter, syn::MacroDelimiter::Brace(_)) =>
+        {
+            if is_printing_macro(&stmt.mac) {
+                Tail::Unit
+            } else {
+                Tail::Value
+            }
+        }
+        _ => Tail::Statement,
+    }
+}
+
+/// Expressions whose type is `()` whatever they contain.
+fn always_unit(expr: &Expr) -> bool {
+    match expr {
+        Expr::ForLoop(_) | Expr::While(_) | Expr::Assign(_) => true,
+        Expr::If(expr_if) => expr_if.else_branch.is_none(),
+        Expr::Binary(binary) => matches!(
+            binary.op,
+            syn::BinOp::AddAssign(_)
+                | syn::BinOp::SubAssign(_)
+                | syn::BinOp::MulAssign(_)
+                | syn::BinOp::DivAssign(_)
+                | syn::BinOp::RemAssign(_)
+                | syn::BinOp::BitXorAssign(_)
+                | syn::BinOp::BitAndAssign(_)
+                | syn::BinOp::BitOrAssign(_)
+                | syn::BinOp::ShlAssign(_)
+                | syn::BinOp::ShrAssign(_)
+        ),
+        Expr::Macro(mac) => is_printing_macro(&mac.mac),
+        _ => false,
+    }
+}
+
+/// `print!`, `println!`, `eprint!`, `eprintln!`: they return `()`.
+fn is_printing_macro(mac: &syn::Macro) -> bool {
+    mac.path.segments.last().is_some_and(|segment| {
+        matches!(
+            segment.ident.to_string().as_str(),
+            "print" | "println" | "eprint" | "eprintln"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{read, Syntax::*, Tail};
+
+    #[test]
+    fn cell_syntax_reads_what_the_last_statement_is() {
+        assert_eq!(read("let x = 1;"), Valid(Tail::Statement));
+        assert_eq!(read("let x = 1;\nx + 1"), Valid(Tail::Value));
+        assert_eq!(read("format!(\"{}\", 1)"), Valid(Tail::Value));
+        assert_eq!(read("println!(\"a\")"), Valid(Tail::Unit));
+        assert_eq!(
+            read("for i in 0..3 { println!(\"{i}\"); }"),
+            Valid(Tail::Unit)
+        );
+        assert_eq!(read("let mut a = 1;\na += 2"), Valid(Tail::Unit));
+        assert_eq!(read("if true { 1 } else { 2 }"), Valid(Tail::Value));
+        assert_eq!(read("fn f() {}"), Valid(Tail::Statement));
+        assert_eq!(read(""), Valid(Tail::Statement));
+        assert_eq!(
+            read("thread_local! { static X: u8 = 1; }"),
+            Valid(Tail::Statement)
+        );
+    }
+
+    #[test]
+    fn cell_syntax_skips_magics_and_evcxr_commands() {
+        assert_eq!(
+            read(":dep rand = \"0.8\"\n// a comment\n!ls\n  :vars\nrand::random::<u8>()"),
+            Valid(Tail::Value)
+        );
+        assert_eq!(
+            read("%memprofile off\n%memhistory\nlet x = 1;"),
+            Valid(Tail::Statement)
+        );
+        assert_eq!(
+            read("%%optimize --amp bf16 --show\nlet x = 1;\nx"),
+            Valid(Tail::Value)
+        );
+        assert_eq!(read("%%optimize --help"), Valid(Tail::Statement));
+        // Commands after Rust code are not commands (evcxr hands them to the compiler).
+        assert_eq!(read("let x = 1;\n:vars"), Invalid);
+    }
+
+    #[test]
+    fn cell_syntax_tells_unfinished_from_invalid() {
+        assert_eq!(read("let x ="), Unfinished { indent: 0 });
+        assert_eq!(read("fn f() {\n    let y = 1 +\n}"), Invalid);
+        assert_eq!(read("let x = 1;\n    x +"), Unfinished { indent: 4 });
+        assert_eq!(read("let x = 5"), Unfinished { indent: 0 });
+        assert_eq!(read("#[derive(Debug)]"), Unfinished { indent: 0 });
+        assert_eq!(read("let x = ;"), Invalid);
+        assert_eq!(read("1 + / 2"), Invalid);
+        assert_eq!(read("f(1 +)"), Invalid);
+        assert_eq!(read("let = 5;"), Invalid);
+        assert_eq!(read("println!(\"a\") println!(\"b\");"), Invalid);
+    }
+
+    #[test]
+    fn cell_syntax_leaves_what_it_cannot_read_unjudged() {
+        assert_eq!(read("#![allow(unused)]\nlet x = 1;"), Unknown);
+        let deep = format!("{}{}", "(".repeat(300), ")".repeat(300));
+        assert_eq!(read(&deep), Unknown);
+        let long = format!("let x = {}1;", "- ".repeat(5000));
+        assert_eq!(read(&long), Unknown);
+    }
+}
