@@ -79,7 +79,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             connection_file,
             engine,
         } => {
-            let (engine, _workdir) = start_engine(&engine)?;
+            let (engine, _workdir) = start_engine(&engine, true)?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -105,7 +105,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             engine,
         } => {
             let cells = crate::notebook::load(&notebook)?;
-            let (engine, _workdir) = start_engine(&engine)?;
+            let (engine, _workdir) = start_engine(&engine, false)?;
             let output = output.unwrap_or_else(|| notebook.clone());
             let result = crate::notebook::execute(&engine, cells, &output, allow_errors);
             engine.stop_child();
@@ -119,7 +119,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 fn prepare(args: &EngineArgs) -> anyhow::Result<()> {
     use crate::engine::{CellIo, CellOutput};
     let started = std::time::Instant::now();
-    let (engine, workdir) = start_engine(args)?;
+    let (engine, workdir) = start_engine(args, false)?;
+    crate::notebook::wait_for_engine(&engine);
     let io = CellIo {
         output: std::sync::Arc::new(|output| {
             if let CellOutput::Stream(_, text) = output {
@@ -167,12 +168,16 @@ fn chart(
 
 /// Prepares the process environment and starts the engine thread. The returned workdir lock
 /// must live as long as the engine.
-fn start_engine(args: &EngineArgs) -> anyhow::Result<(Engine, workdir::Workdir)> {
+fn start_engine(
+    args: &EngineArgs,
+    warm_up_analysis: bool,
+) -> anyhow::Result<(Engine, workdir::Workdir)> {
     let root = std::env::var_os("TCHMEM_WORKDIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| crate::libtorch::cache_dir().join("evcxr"));
     let workdir = workdir::acquire(root)?;
-    let config = EngineConfig::discover(args.libtorch.as_deref(), workdir.path.clone());
+    let mut config = EngineConfig::discover(args.libtorch.as_deref(), workdir.path.clone());
+    config.warm_up_analysis = warm_up_analysis;
     config.apply_to_process_environment();
     tracing::info!(
         "compiling cells in {} with libtorch {}",

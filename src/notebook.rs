@@ -99,7 +99,8 @@ pub fn load(path: &Path) -> anyhow::Result<Value> {
 
 /// Runs the code cells of `notebook` (from [`load`]) and writes it with outputs to `output`.
 /// Stops at the first failing cell unless `allow_errors`; a failure makes the result an error
-/// either way, after the notebook is written.
+/// either way, after the notebook is written. A cell tagged [`RAISES_EXCEPTION`] must fail: its
+/// error is its output, and it failing to fail is the failure.
 pub fn execute(
     engine: &Engine,
     mut notebook: Value,
@@ -107,6 +108,7 @@ pub fn execute(
     allow_errors: bool,
 ) -> anyhow::Result<()> {
     let cells = notebook["cells"].as_array_mut().context("no cells")?;
+    wait_for_engine(engine);
 
     let mut failures = Vec::new();
     let mut execution_count = 0;
@@ -115,6 +117,7 @@ pub fn execute(
             continue;
         }
         let code = source_text(&cell["source"]);
+        let expects_error = has_tag(cell, RAISES_EXCEPTION);
         if failures.is_empty() || allow_errors {
             execution_count += 1;
             eprintln!("[tchmem] cell {}: running", index + 1);
@@ -124,10 +127,10 @@ pub fn execute(
             eprintln!(
                 "[tchmem] cell {}: {} in {:.2} s",
                 index + 1,
-                if outcome.error.is_some() {
-                    "failed"
-                } else {
-                    "ok"
+                match (&outcome.error, expects_error) {
+                    (Some(_), true) => "failed as its tag expects",
+                    (Some(_), false) => "failed",
+                    (None, _) => "ok",
                 },
                 (finished - started).num_milliseconds() as f64 / 1000.0
             );
@@ -136,13 +139,21 @@ pub fn execute(
                 "shell.execute_reply.started": started.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                 "shell.execute_reply": finished.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             });
-            if let Some(error) = &outcome.error {
+            if outcome.error.is_none() && expects_error {
                 failures.push(format!(
-                    "cell {}: {}: {}",
-                    index + 1,
-                    error.ename,
-                    error.evalue
+                    "cell {}: tagged {RAISES_EXCEPTION} but ran without an error",
+                    index + 1
                 ));
+            }
+            if let Some(error) = &outcome.error {
+                if !expects_error {
+                    failures.push(format!(
+                        "cell {}: {}: {}",
+                        index + 1,
+                        error.ename,
+                        error.evalue
+                    ));
+                }
                 outputs.push(json!({
                     "output_type": "error",
                     "ename": error.ename,
@@ -158,11 +169,20 @@ pub fn execute(
                     "metadata": {},
                 }));
             }
-            if let Some(display) = outcome.memory_display {
+            if let Some(display) = outcome.memory_display.take() {
                 outputs.push(json!({
                     "output_type": "display_data",
                     "data": display.data,
                     "metadata": display.metadata,
+                }));
+            }
+            if outcome.error.is_none() && !outcome.page.is_empty() {
+                // Help for the pager (`:help`, a magic's --help): in a notebook, what JupyterLab
+                // records for a `page` payload, after the cell's other outputs.
+                outputs.push(json!({
+                    "output_type": "display_data",
+                    "data": outcome.take_page(),
+                    "metadata": {},
                 }));
             }
             cell["outputs"] = Value::Array(outputs);
@@ -191,6 +211,20 @@ pub fn execute(
     Ok(())
 }
 
+/// Waits for the engine's start, saying on stderr how far it is when it takes a while (a new
+/// compile slot builds tch for minutes).
+pub fn wait_for_engine(engine: &Engine) {
+    let started = engine.report_start(std::time::Duration::from_secs(10), |progress| {
+        eprintln!("[tchmem] {}", progress.line());
+    });
+    if started.built > 0 {
+        eprintln!(
+            "[tchmem] compiled {} crates into a new compile slot in {:.0} s",
+            started.built, started.seconds
+        );
+    }
+}
+
 fn run_cell(engine: &Engine, code: String) -> (Vec<Value>, CellOutcome) {
     let outputs = Arc::new(Mutex::new(Outputs::default()));
     let sink = Arc::clone(&outputs);
@@ -212,6 +246,16 @@ fn run_cell(engine: &Engine, code: String) -> (Vec<Value>, CellOutcome) {
         });
     let list = std::mem::take(&mut outputs.lock().unwrap_or_else(|e| e.into_inner()).list);
     (list, outcome)
+}
+
+/// The cell tag (nbclient's and nbconvert's) of a cell that is meant to fail, such as a
+/// tutorial's error example.
+pub const RAISES_EXCEPTION: &str = "raises-exception";
+
+fn has_tag(cell: &Value, tag: &str) -> bool {
+    cell["metadata"]["tags"]
+        .as_array()
+        .is_some_and(|tags| tags.iter().any(|t| t == tag))
 }
 
 /// nbformat stores source as a string or a list of lines.

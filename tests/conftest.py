@@ -29,6 +29,7 @@ def tchmem_bin() -> str:
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     subprocess.run(
         [tchmem_bin(), "install", "--prefix", str(_prefix), "--name", KERNEL_NAME],
         check=True,
@@ -67,6 +68,32 @@ def stream_text(messages, name="stdout"):
 def result_text(messages):
     results = outputs(messages, "execute_result")
     return results[-1]["data"]["text/plain"] if results else None
+
+
+def page_text(reply):
+    """The help a reply sends to the frontend's pager (its `page` payload), or ''."""
+    pages = [p for p in reply.get("payload", []) if p.get("source") == "page"]
+    return "".join(p["data"].get("text/plain", "") for p in pages)
+
+
+_has_cuda = {}
+
+
+def kernel_has_cuda(kc):
+    """Whether the kernel's cells see a CUDA device (false in CI). Asked once per kernel, so that
+    tests about the last cell's record are not disturbed by the question."""
+    if id(kc) not in _has_cuda:
+        reply, messages = execute(kc, "tch::Cuda::is_available()")
+        assert reply["status"] == "ok", reply
+        _has_cuda[id(kc)] = result_text(messages) == "true"
+    return _has_cuda[id(kc)]
+
+
+def skip_on_cuda(kc):
+    """For tests of the CPU records, whose cells would show the GPU's where there is one (the GPU's
+    are tests/test_gpu.py's)."""
+    if kernel_has_cuda(kc):
+        pytest.skip("asserts the CPU records; on CUDA tests/test_gpu.py checks the GPU's")
 
 
 @pytest.fixture(scope="module")

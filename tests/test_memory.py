@@ -1,7 +1,7 @@
 """Per-cell memory records through the real kernel: categories of a watched model, the inline
 summary, and the %memprofile / %memhistory magics (CPU: categories from tensor sizes)."""
 
-from conftest import execute, outputs, stream_text
+from conftest import execute, outputs, page_text, skip_on_cuda, stream_text
 
 RECORD_MIME = "application/vnd.tchmem.record+json"
 
@@ -16,6 +16,7 @@ def category_bytes(record, name):
 
 def test_watched_model_categories_equal_its_tensor_bytes(kernel):
     _, kc = kernel
+    skip_on_cuda(kc)
     execute(kc, "%memprofile auto")
     code = """
 use tch::nn::Module;
@@ -68,6 +69,7 @@ def test_memprofile_modes(kernel):
 
 def test_memhistory_lists_every_recorded_cell(kernel):
     _, kc = kernel
+    skip_on_cuda(kc)
     reply, messages = execute(kc, "%memhistory")
     assert reply["status"] == "ok"
     (table,) = outputs(messages, "display_data")
@@ -78,7 +80,7 @@ def test_memhistory_lists_every_recorded_cell(kernel):
 def test_magics_explain_help_and_mistakes_and_the_kernel_continues(kernel):
     _, kc = kernel
     reply, messages = execute(kc, "%memprofile --help")
-    assert reply["status"] == "ok" and "Usage: %memprofile [MODE]" in stream_text(messages)
+    assert reply["status"] == "ok" and "Usage: %memprofile [MODE]" in page_text(reply)
     reply, _ = execute(kc, "%memprofile sometimes")
     assert reply["status"] == "error" and reply["ename"] == "MagicError"
     assert "possible values: auto, always, off" in reply["evalue"]
@@ -92,6 +94,7 @@ def test_magics_explain_help_and_mistakes_and_the_kernel_continues(kernel):
 
 def test_memsummary_shows_the_allocator_counters_or_says_they_are_cuda_only(kernel):
     _, kc = kernel
+    skip_on_cuda(kc)
     reply, messages = execute(kc, "%memsummary")
     assert reply["status"] == "ok"
     (table,) = outputs(messages, "display_data")
@@ -100,11 +103,12 @@ def test_memsummary_shows_the_allocator_counters_or_says_they_are_cuda_only(kern
     assert "CUDA-only" in text  # CI has no GPU; on CUDA the counters are listed instead
     assert "cell ran for" in text and "recording took" in text, text
     reply, messages = execute(kc, "%memsummary --help")
-    assert reply["status"] == "ok" and "Usage: %memsummary" in stream_text(messages)
+    assert reply["status"] == "ok" and "Usage: %memsummary" in page_text(reply)
 
 
 def test_var_stores_are_watched_without_being_told(kernel):
     _, kc = kernel
+    skip_on_cuda(kc)
     execute(kc, "%memprofile auto")
     code = """
 let auto_vs: tch::nn::VarStore = tch::nn::VarStore::new(tch::Device::Cpu);

@@ -2,6 +2,7 @@
 kernelspec, and by `tchmem execute` through the same engine without Jupyter."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -40,9 +41,14 @@ def test_notebook_runs_in_nbclient_and_in_tchmem_execute_alike(path, tmp_path):
     client = NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT,
                             startup_timeout=120)
     client.execute()
-    errors = [o for cell in notebook.cells for o in cell.get("outputs", [])
-              if o["output_type"] == "error"]
+    def meant_to_fail(cell):
+        return "raises-exception" in cell.metadata.get("tags", [])
+
+    errors = [o for cell in notebook.cells if not meant_to_fail(cell)
+              for o in cell.get("outputs", []) if o["output_type"] == "error"]
     assert errors == []
+    for cell in filter(meant_to_fail, notebook.cells):
+        assert any(o["output_type"] == "error" for o in cell.outputs), cell.source
 
     out = tmp_path / path.name
     subprocess.run([tchmem_bin(), "execute", str(path), "--output", str(out)], check=True,
@@ -66,6 +72,13 @@ def test_hello_notebook_shows_its_results():
                if "application/vnd.tchmem.record+json" in o.get("data", {})]
     parameters = {c["name"]: c["bytes"] for c in records[-1]["categories"]}["parameters"]
     assert parameters == (1 + 1) * 4  # Linear(1, 1): one weight, one bias, f32
+    # The learned parameters are read from the model (y = 3x - 1), not NaN.
+    table = next(o["data"]["text/html"] for c in code for o in c.outputs
+                 if "<th>parameter</th>" in o.get("data", {}).get("text/html", ""))
+    learned = re.findall(r"<td>(weight|bias)</td><td>(-?[0-9.]+)</td>", table)
+    assert [(name, round(float(value))) for name, value in learned] == [("weight", 3), ("bias", -1)]
+    shape_error = next(c for c in code if "raises-exception" in c.metadata.get("tags", []))
+    assert "cannot be multiplied" in shape_error.outputs[-1]["evalue"]
 
 
 def test_tchmem_execute_stops_at_a_failing_cell_and_says_why(tmp_path):
@@ -90,6 +103,28 @@ def test_tchmem_execute_stops_at_a_failing_cell_and_says_why(tmp_path):
     assert run.returncode != 0
     executed = nbformat.read(out, as_version=4)
     assert executed.cells[2].outputs[-1]["data"]["text/plain"] == "2"
+
+
+def test_tchmem_execute_runs_past_cells_tagged_raises_exception(tmp_path):
+    meant = nbformat.v4.new_code_cell('panic!("an example error")')
+    meant.metadata["tags"] = ["raises-exception"]
+    unmet = nbformat.v4.new_code_cell("1 + 1")
+    unmet.metadata["tags"] = ["raises-exception"]
+    cells = [meant, nbformat.v4.new_code_cell("2 + 2")]
+    src, out = tmp_path / "tagged.ipynb", tmp_path / "out.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), src)
+    run = subprocess.run([tchmem_bin(), "execute", str(src), "--output", str(out)],
+                         capture_output=True, text=True, timeout=FIRST_CELL_TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    executed = nbformat.read(out, as_version=4)
+    assert executed.cells[0].outputs[-1]["ename"] == "Panic"
+    assert executed.cells[1].outputs[-1]["data"]["text/plain"] == "4"
+
+    nbformat.write(nbformat.v4.new_notebook(cells=[unmet]), src)
+    run = subprocess.run([tchmem_bin(), "execute", str(src), "--output", str(out)],
+                         capture_output=True, text=True, timeout=FIRST_CELL_TIMEOUT)
+    assert run.returncode != 0
+    assert "tagged raises-exception but ran without an error" in run.stderr
 
 
 def test_tchmem_execute_rejects_what_is_not_a_notebook(tmp_path):

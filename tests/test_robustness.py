@@ -1,10 +1,14 @@
 """Bad things in cells: panics, crashes, interrupts, and input requests. The kernel explains each
 and keeps going."""
 
+import re
 import threading
 import time
 
-from conftest import CELL_TIMEOUT, execute, outputs, result_text, stream_text
+from jupyter_client.manager import start_new_kernel
+
+from conftest import (CELL_TIMEOUT, FIRST_CELL_TIMEOUT, KERNEL_NAME, execute, outputs, result_text,
+                      stream_text)
 
 
 def test_a_panic_is_an_error_and_keeps_older_variables(kernel):
@@ -30,6 +34,25 @@ def test_a_panic_in_a_thread_the_cell_survives_is_shown_not_fatal(kernel):
     reply, messages = execute(kc, code)
     assert reply["status"] == "ok" and result_text(messages) == "true", reply
     assert "worker failed" in stream_text(messages, "stderr")
+
+
+def test_a_compile_error_in_a_chinese_cell_names_its_cell_line_and_column(kernel):
+    _, kc = kernel
+    # `missing` is the 25th character of line 3 (the 27th byte: the arrow takes three).
+    code = 'let a = 1;\n// 你好，世界\nlet c = "→".len() + a + missing;\nc'
+    started = time.monotonic()
+    reply, messages = execute(kc, code)
+    print(f"compile error came back in {time.monotonic() - started:.2f} s")
+    assert reply["status"] == "error" and reply["ename"] == "CompilationError", reply
+    assert "cannot find value `missing`" in reply["evalue"]
+    (error,) = outputs(messages, "error")
+    rows = [re.sub(r"\x1b\[[0-9;]*m", "", row) for row in error["traceback"]]
+    text = "\n".join(rows)
+    assert "cell line 3, column 25" in text, text
+    assert "lib.rs" not in text, text
+    # The caret sits under `missing` on the row after the cell's line 3.
+    at = next(i for i, row in enumerate(rows) if row.startswith("3 | "))
+    assert rows[at + 1].index("^") == rows[at].index("missing"), text
 
 
 def test_a_crash_of_the_child_is_reported_and_the_next_cell_works(kernel):
@@ -124,3 +147,27 @@ def test_restart_command_gives_a_fresh_child_that_is_set_up_again(kernel):
     reply, messages = execute(kc, 'panic!("after a restart")')
     assert reply["ename"] == "Panic" and reply["evalue"] == "after a restart", reply
     assert "panicked at" not in stream_text(messages, "stderr")
+
+
+def test_a_cell_sent_while_the_kernel_starts_shows_the_start_then_runs():
+    # Its own kernel: the shared one has long started.
+    km, kc = start_new_kernel(kernel_name=KERNEL_NAME, startup_timeout=120)
+    try:
+        # Sent at once: the engine still loads tch (seconds even in a prepared slot).
+        reply, messages = execute(kc, "40 + 2", timeout=FIRST_CELL_TIMEOUT)
+        assert reply["status"] == "ok" and result_text(messages) == "42"
+        shown = [m for m in messages if m["msg_type"] in ("display_data", "update_display_data")
+                 and ((m["content"].get("transient") or {}).get("display_id") or "")
+                 .startswith("tchmem-startup")]
+        assert shown, [m["msg_type"] for m in messages]
+        assert "Starting the kernel" in shown[0]["content"]["data"]["text/plain"]
+        # A start that built nothing leaves nothing behind: the display is cleared before the
+        # cell's own output; one that compiled says what it built.
+        last = shown[-1]["content"]["data"]["text/plain"]
+        cleared = [i for i, m in enumerate(messages) if m["msg_type"] == "clear_output"]
+        assert cleared or last.startswith("Kernel ready"), last
+        result = next(i for i, m in enumerate(messages) if m["msg_type"] == "execute_result")
+        assert all(i < result for i in cleared)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -5,12 +5,15 @@
 //! async kernel and the synchronous notebook runner drive it the same way. Interrupts bypass the
 //! queue (see [`Engine::interrupt`]).
 
+mod completion;
 mod errors;
 mod infer;
 mod optimize;
 mod positions;
+mod rich;
 mod session;
 mod setup;
+mod startup;
 mod streams;
 pub mod workdir;
 
@@ -18,14 +21,18 @@ use std::collections::BTreeMap;
 use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+pub use completion::{metadata as completion_metadata, Candidate};
 pub use errors::CellError;
 pub use setup::{EngineConfig, TCH_VERSION};
+pub use startup::{Progress, Stage};
 pub use streams::{CellOutput, OutputSink, StreamName};
 
 use session::Session;
+use startup::Startup;
 use tchmem_wire::CellReport;
 
 /// Asks the user for a line of input: `(prompt, is_password) -> reply`.
@@ -51,19 +58,32 @@ pub struct CellOutcome {
     pub report: Option<CellReport>,
     /// The memory summary to show after the cell's result (per `%memprofile`).
     pub memory_display: Option<tchmem_wire::Display>,
+    /// Help for a pager, by MIME type (`:help`, `:doc`, a magic's `--help`); empty when none.
+    /// The kernel sends it as the execute reply's `page` payload, where JupyterLab shows it
+    /// under the cell; `tchmem execute` writes it as the `display_data` output JupyterLab
+    /// records for it.
+    pub page: BTreeMap<String, String>,
 }
 
 impl CellOutcome {
     /// Takes the cell's result as a Jupyter bundle (JSON MIME types as JSON).
     pub fn take_result(&mut self) -> serde_json::Map<String, serde_json::Value> {
-        std::mem::take(&mut self.data)
-            .into_iter()
-            .map(|(mime, text)| {
-                let value = tchmem_wire::bundle_value(&mime, &text);
-                (mime, value)
-            })
-            .collect()
+        bundle(std::mem::take(&mut self.data))
     }
+
+    /// Takes the help for the pager as a Jupyter bundle.
+    pub fn take_page(&mut self) -> serde_json::Map<String, serde_json::Value> {
+        bundle(std::mem::take(&mut self.page))
+    }
+}
+
+fn bundle(data: BTreeMap<String, String>) -> serde_json::Map<String, serde_json::Value> {
+    data.into_iter()
+        .map(|(mime, text)| {
+            let value = tchmem_wire::bundle_value(&mime, &text);
+            (mime, value)
+        })
+        .collect()
 }
 
 /// A completion answer: candidates replacing the characters `start..end` (in chars).
@@ -75,6 +95,8 @@ pub struct CompletionOutcome {
     pub start: usize,
     /// One past the last replaced character.
     pub end: usize,
+    /// What each match is (kind and signature), in the order of `matches`.
+    pub candidates: Vec<Candidate>,
 }
 
 /// Documentation for the expression at a cursor.
@@ -103,6 +125,7 @@ struct Control {
 pub struct Engine {
     jobs: mpsc::Sender<Job>,
     control: Arc<Control>,
+    startup: Arc<Startup>,
 }
 
 impl Engine {
@@ -112,11 +135,36 @@ impl Engine {
         let (jobs, queue) = mpsc::channel::<Job>();
         let control = Arc::new(Control::default());
         let thread_control = Arc::clone(&control);
+        let startup = Arc::new(Startup::begin(config.workdir.clone()));
+        let warm_up = config.warm_up_analysis;
+        let thread_startup = Arc::clone(&startup);
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
                 let mut session = Session::start(config, Arc::clone(&thread_control));
-                for job in queue {
+                thread_startup.finish(session.prelude_loaded());
+                // The code analysis loads the crate graph on its first request (5 s after a
+                // start, measured): do that at the first moment with nothing queued, so that the
+                // user's first completion answers within a frontend's timeout.
+                let mut warmed = !warm_up;
+                loop {
+                    let job = if warmed {
+                        queue.recv().ok()
+                    } else {
+                        match queue.try_recv() {
+                            Ok(job) => Some(job),
+                            Err(mpsc::TryRecvError::Empty) => {
+                                let _ =
+                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                        session.warm_up_analysis()
+                                    }));
+                                warmed = true;
+                                continue;
+                            }
+                            Err(mpsc::TryRecvError::Disconnected) => None,
+                        }
+                    };
+                    let Some(job) = job else { break };
                     // An internal evcxr panic must not take the kernel down with it.
                     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         job(&mut session)
@@ -131,7 +179,17 @@ impl Engine {
                 }
             })
             .expect("spawning the engine thread");
-        Engine { jobs, control }
+        Engine {
+            jobs,
+            control,
+            startup,
+        }
+    }
+
+    /// Calls `report` every `every` while the engine starts (compiles or loads the prelude);
+    /// returns once it is ready, with how far the start went.
+    pub fn report_start(&self, every: Duration, report: impl FnMut(&Progress)) -> Progress {
+        self.startup.report_until_ready(every, report)
     }
 
     fn submit<T: Send + 'static>(
@@ -148,9 +206,21 @@ impl Engine {
         rx
     }
 
-    /// Runs a cell. Its outputs go to `io` while it runs.
+    /// Runs a cell. Its outputs go to `io` while it runs. A cell that comes while the engine
+    /// still starts shows the start's progress, updated in place, until it runs.
     pub fn execute(&self, code: String, io: CellIo) -> oneshot::Receiver<CellOutcome> {
-        self.submit(move |session| session.execute(&code, io))
+        let waiting = (self.startup.stage() == Stage::Starting).then(|| {
+            let startup = Arc::clone(&self.startup);
+            let output = Arc::clone(&io.output);
+            std::thread::spawn(move || startup::show_until_ready(&startup, &output))
+        });
+        self.submit(move |session| {
+            // The progress display is settled before the cell's own output begins.
+            if let Some(waiting) = waiting {
+                let _ = waiting.join();
+            }
+            session.execute(&code, io)
+        })
     }
 
     /// Completions at `cursor` (a character index).

@@ -8,13 +8,15 @@ use evcxr::{CommandContext, EvalCallbacks};
 
 use super::errors::{self, CellError, Termination};
 use super::infer;
-use super::positions::{byte_to_char, char_to_byte};
+use super::positions::char_to_byte;
+use super::rich;
 use super::setup::{create_context, EngineConfig};
 use super::streams::{CellOutput, StreamName, StreamPump};
 use super::{CellIo, CellOutcome, CompletionOutcome, Control, InspectOutcome};
 use tchmem_wire::memory::MemoryRecord;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 
+use crate::cell_syntax::{self, Syntax, Tail};
 use crate::magics::{self, CellMagic, Magic, MagicReply, ProfileMode};
 use crate::report;
 
@@ -34,15 +36,44 @@ fn binds(code: &str, name: &str) -> bool {
         .any(|w| w[0] == "let" && (w[1] == name || (w[1] == "mut" && w[2] == name)))
 }
 
-/// A magic's help (shown) or mistake (the cell's `MagicError`).
-fn magic_reply(reply: MagicReply, io: &CellIo) -> Result<(), CellError> {
+/// A magic's help (added to `help`, for the pager) or mistake (the cell's `MagicError`).
+fn magic_reply(reply: MagicReply, help: &mut Vec<String>) -> Result<(), CellError> {
     match reply {
-        MagicReply::Help(help) => {
-            (io.output)(CellOutput::Stream(StreamName::Stdout, help + "\n"));
+        MagicReply::Help(text) => {
+            help.push(text);
             Ok(())
         }
         MagicReply::Error(message) => Err(CellError::new("MagicError", message)),
     }
+}
+
+/// Whether `code` is one of evcxr's help commands (`:help`, `:doc NAME`) and nothing else, so
+/// that its output belongs in the pager, as ipykernel's `?`.
+fn is_help_command(code: &str) -> bool {
+    let mut lines = code
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with("//"));
+    match (lines.next(), lines.next()) {
+        (Some(line), None) => {
+            // evcxr's command syntax: optional spaces, `:name`, then arguments after spaces.
+            let name = line.trim_start_matches(' ').split(' ').next();
+            matches!(name, Some(":help" | ":doc"))
+        }
+        _ => false,
+    }
+}
+
+/// Help texts as a pager bundle (none when there are none).
+fn help_page(help: Vec<String>) -> std::collections::BTreeMap<String, String> {
+    if help.is_empty() {
+        return Default::default();
+    }
+    let text = help
+        .iter()
+        .map(|text| text.trim_end())
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    [("text/plain".to_string(), text + "\n")].into()
 }
 
 fn mode_name(mode: ProfileMode) -> &'static str {
@@ -179,6 +210,7 @@ impl Session {
             );
             if outcome.error.is_none() {
                 session.child_setup = Some(super::setup::CHILD_SETUP);
+                session.check_dependencies();
             }
             if let Some(error) = outcome.error {
                 session.notices.push(format!(
@@ -192,31 +224,73 @@ impl Session {
         session
     }
 
+    /// Whether the prelude (tch and the runtime) compiled and loaded.
+    pub fn prelude_loaded(&self) -> bool {
+        self.fatal.is_none() && self.child_setup.is_some()
+    }
+
+    /// Has `cargo check` build the dependencies' metadata now. evcxr answers a cell whose
+    /// variable types its analysis cannot tell (`let c = a + y;` with `y` undefined) with `cargo
+    /// check`, and the first check in a compile directory checks every dependency, tch included:
+    /// the user's first such compile error came back after 83 s (2 shared cores). Here it costs
+    /// once per compile directory (36 s in a fresh one, 0.4 s after).
+    fn check_dependencies(&mut self) {
+        let Some((context, _)) = self.context.as_mut() else {
+            return;
+        };
+        let started = Instant::now();
+        if let Err(error) = context.check("") {
+            tracing::warn!("could not check the dependencies: {error}");
+        }
+        tracing::info!(
+            "dependencies checked in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
     /// Runs one cell: its magics, then its code, then records its memory.
     pub fn execute(&mut self, cell: &str, io: CellIo) -> CellOutcome {
         self.runs += 1;
+        let mut help = Vec::new();
         if let Some(source) = magics::cell_magic(cell) {
             return match magics::parse_cell(&source) {
                 Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
                 Err(reply) => CellOutcome {
-                    error: magic_reply(reply, &io).err(),
+                    error: magic_reply(reply, &mut help).err(),
+                    page: help_page(help),
                     ..Default::default()
                 },
             };
         }
         let (magic_lines, code) = magics::split(cell);
         for line in magic_lines {
-            if let Err(error) = self.apply_magic(line, &io) {
+            if let Err(error) = self.apply_magic(line, &io, &mut help) {
                 return CellOutcome {
                     error: Some(error),
                     ..Default::default()
                 };
             }
         }
-        if code.trim().is_empty() {
-            return CellOutcome::default();
+        let mut outcome = if code.trim().is_empty() {
+            CellOutcome::default()
+        } else {
+            // The magic lines become blank lines, so the lines compile errors name are the
+            // cell's.
+            let skipped = cell[..cell.len() - code.len()].matches('\n').count();
+            let padded = format!("{}{code}", "\n".repeat(skipped));
+            self.run_cell_code(&padded, io)
+        };
+        if is_help_command(code) && outcome.error.is_none() {
+            outcome.page = std::mem::take(&mut outcome.data);
         }
-        self.run_cell_code(code, io)
+        if !help.is_empty() {
+            // A magic's --help above `:help`: both texts, the magic's first.
+            if let Some(text) = outcome.page.remove("text/plain") {
+                help.push(text);
+            }
+            outcome.page.extend(help_page(help));
+        }
+        outcome
     }
 
     /// Runs a cell's code and records its memory (shown per `%memprofile`).
@@ -293,7 +367,12 @@ impl Session {
         outcome.report?.memory.map(|record| record.categories)
     }
 
-    fn apply_magic(&mut self, line: &str, io: &CellIo) -> Result<(), CellError> {
+    fn apply_magic(
+        &mut self,
+        line: &str,
+        io: &CellIo,
+        help: &mut Vec<String>,
+    ) -> Result<(), CellError> {
         let show = |text: String| {
             (io.output)(CellOutput::Stream(StreamName::Stdout, text + "\n"));
         };
@@ -313,7 +392,7 @@ impl Session {
                 let last = self.records.last().map(|(run, record)| (*run, record));
                 (io.output)(CellOutput::Display(report::summary_display(last)));
             }
-            Err(reply) => return magic_reply(reply, io),
+            Err(reply) => return magic_reply(reply, help),
         }
         Ok(())
     }
@@ -358,7 +437,11 @@ impl Session {
                 ..Default::default()
             };
         };
-        pump.attach(Arc::clone(&io.output));
+        let ends_in_value = !matches!(
+            cell_syntax::read(code),
+            Syntax::Valid(Tail::Statement | Tail::Unit)
+        );
+        pump.attach(Arc::clone(&io.output), ends_in_value);
         let input = io.input;
         let mut callbacks = EvalCallbacks {
             input_reader: &move |request| match &input {
@@ -376,9 +459,12 @@ impl Session {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = true;
         let mut result = context.execute_with_callbacks(code, &mut callbacks);
+        // The code compile errors point into: the cell, or the cell with types written out.
+        let mut compiled = std::borrow::Cow::Borrowed(code);
         if let Err(evcxr::Error::Message(message)) = &result {
             if let Some(annotated) = typed_by_compiler(context, code, message, &io.output) {
                 result = context.execute_with_callbacks(&annotated, &mut callbacks);
+                compiled = annotated.into();
             }
         }
         *self
@@ -397,22 +483,17 @@ impl Session {
             .swap(false, Ordering::SeqCst);
 
         let mut outcome = CellOutcome::default();
+        let mut timing = None;
         match result {
             Ok(outputs) => {
+                // What evcxr collected: the child's report and the output of `:` commands (the
+                // cell's own rich output comes through the pump).
                 let mut data = outputs.content_by_mime_type;
                 outcome.report = data
                     .remove(CELL_REPORT_MIME)
                     .and_then(|json| serde_json::from_str::<CellReport>(&json).ok());
-                // A cell ending in a call that returns `()` has nothing to show (as Python's
-                // None).
-                if data.len() == 1 && data.get("text/plain").is_some_and(|text| text == "()") {
-                    data.clear();
-                }
                 outcome.data = data.into_iter().collect();
-                if let Some(timing) = outputs.timing {
-                    let took = format!("Took {}ms\n", timing.as_millis());
-                    (io.output)(CellOutput::Stream(StreamName::Stdout, took));
-                }
+                timing = outputs.timing;
             }
             Err(error) => {
                 let termination = if interrupted {
@@ -420,12 +501,29 @@ impl Session {
                 } else {
                     Termination::Crashed
                 };
-                outcome.error = Some(errors::from_evcxr(error, code, termination));
+                outcome.error = Some(errors::from_evcxr(error, &compiled, termination));
             }
         }
         let token = outcome.report.as_ref().map(|r| r.sync_token.as_str());
-        let leftovers = pump.detach(token, STDERR_GRACE);
+        let mut leftovers = pump.detach(token, STDERR_GRACE);
         let panicked = outcome.report.as_ref().is_some_and(|r| r.panicked);
+        let succeeded = outcome.error.is_none() && !panicked;
+        let (shown, result) = std::mem::take(&mut leftovers.trailing).finish(succeeded);
+        for block in shown {
+            (io.output)(CellOutput::Display(rich::display(block)));
+        }
+        outcome
+            .data
+            .extend(result.into_iter().map(|block| (block.mime, block.content)));
+        // A cell ending in a call that returns `()` has nothing to show (as Python's None).
+        let data = &mut outcome.data;
+        if data.len() == 1 && data.get("text/plain").is_some_and(|text| text == "()") {
+            data.clear();
+        }
+        if let Some(timing) = timing {
+            let took = format!("Took {}ms\n", timing.as_millis());
+            (io.output)(CellOutput::Stream(StreamName::Stdout, took));
+        }
         if panicked {
             outcome.error = Some(errors::panic(&leftovers));
         } else {
@@ -447,11 +545,7 @@ impl Session {
         };
         let byte = char_to_byte(code, cursor);
         match context.completions(code, byte) {
-            Ok(found) => CompletionOutcome {
-                matches: found.completions.into_iter().map(|c| c.code).collect(),
-                start: byte_to_char(code, found.start_offset),
-                end: byte_to_char(code, found.end_offset),
-            },
+            Ok(found) => super::completion::from_evcxr(found, code),
             Err(error) => {
                 tracing::debug!("completion failed: {error}");
                 CompletionOutcome {
@@ -461,6 +555,18 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Runs one completion nobody asked for, so that the code analysis has loaded the crate
+    /// graph (tch's included) before the user's first request.
+    pub fn warm_up_analysis(&mut self) {
+        let started = Instant::now();
+        let found = self.complete("tch::Tensor::zer", "tch::Tensor::zer".len());
+        tracing::info!(
+            "code analysis ready in {:.1} s ({} completions for a test request)",
+            started.elapsed().as_secs_f64(),
+            found.matches.len()
+        );
     }
 
     /// Hover documentation at a character cursor.
@@ -486,7 +592,18 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::binds;
+    use super::{binds, is_help_command};
+
+    #[test]
+    fn help_commands_alone_in_a_cell_go_to_the_pager() {
+        assert!(is_help_command(":help"));
+        assert!(is_help_command("\n  :help\n"));
+        assert!(is_help_command("// what is there?\n:doc Vec"));
+        assert!(!is_help_command(":helpme"));
+        assert!(!is_help_command(":vars"));
+        assert!(!is_help_command(":help\nlet x = 1;"));
+        assert!(!is_help_command("let help = 1;"));
+    }
 
     #[test]
     fn let_bindings_are_recognised() {

@@ -28,6 +28,9 @@ pub struct EngineConfig {
     pub runtime_crate: PathBuf,
     /// Where evcxr compiles cells (see [`super::workdir`]).
     pub workdir: PathBuf,
+    /// Load the code analysis at the engine's first idle moment (a kernel, whose users ask for
+    /// completions; not a headless run).
+    pub warm_up_analysis: bool,
 }
 
 impl EngineConfig {
@@ -42,6 +45,7 @@ impl EngineConfig {
             libtorch_problem,
             runtime_crate: runtime_crate_dir(),
             workdir,
+            warm_up_analysis: false,
         }
     }
 

@@ -1,5 +1,6 @@
 //! Moves the child's stdout and stderr lines to whoever runs the current cell, turning message
-//! lines from the runtime (see [`tchmem_wire::CellMessage`]) into rich outputs on the way.
+//! lines from the runtime and the child (see [`tchmem_wire::CellMessage`]) into rich outputs on
+//! the way.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -7,6 +8,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 
 use tchmem_wire::{CellMessage, Display, STDERR_SYNC_PREFIX};
+
+use super::rich::{self, Block, Trailing};
 
 /// Which stream a piece of text came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +52,8 @@ pub struct Leftovers {
     pub stderr: String,
     /// Panics reported by the runtime's hook, in order.
     pub panics: Vec<PanicReport>,
+    /// evcxr rich output the cell printed last, not shown yet (see [`super::rich`]).
+    pub trailing: Trailing,
 }
 
 /// Receives a running cell's outputs, in order.
@@ -58,6 +63,21 @@ pub type OutputSink = Arc<dyn Fn(CellOutput) + Send + Sync>;
 struct Current {
     sink: Option<OutputSink>,
     leftovers: Leftovers,
+}
+
+impl Current {
+    fn show(&self, output: CellOutput) {
+        match &self.sink {
+            Some(sink) => sink(output),
+            None => tracing::debug!("output outside a cell: {output:?}"),
+        }
+    }
+
+    fn show_blocks(&self, blocks: Vec<Block>) {
+        for block in blocks {
+            self.show(CellOutput::Display(rich::display(block)));
+        }
+    }
 }
 
 /// Asks the pump to answer once every line it took before has been delivered.
@@ -93,16 +113,21 @@ impl StreamPump {
         }
     }
 
-    /// Sends stream output to `sink` until [`StreamPump::detach`].
-    pub fn attach(&self, sink: OutputSink) {
+    /// Sends stream output to `sink` until [`StreamPump::detach`]. `ends_in_value`: the cell
+    /// ends in an expression with a value to show, so evcxr rich output it prints last is held
+    /// back as its possible result (see [`super::rich`]).
+    pub fn attach(&self, sink: OutputSink, ends_in_value: bool) {
         let mut current = lock(&self.current);
         current.sink = Some(sink);
-        current.leftovers = Leftovers::default();
+        current.leftovers = Leftovers {
+            trailing: Trailing::new(ends_in_value),
+            ..Default::default()
+        };
     }
 
     /// Waits until the stderr line carrying `token` has passed (or `timeout`) and every line the
     /// pump already took is delivered, then stops sending output to the sink. Returns the cell's
-    /// stderr and panics. Stdout needs no marker: evcxr returns only after its stdout channel is
+    /// stderr, panics and held rich output. Stdout needs no marker: evcxr returns only after its stdout channel is
     /// empty, so the flush covers its last line.
     pub fn detach(&self, token: Option<&str>, timeout: Duration) -> Leftovers {
         let deadline = Instant::now() + timeout;
@@ -159,11 +184,24 @@ fn pump(
             }
             continue;
         };
-        if let Some(token) = line.strip_prefix(STDERR_SYNC_PREFIX) {
-            let _ = synced.send(token.to_string());
-            continue;
+        // Take the rest of what this stream already holds in one go: select! picks among ready
+        // channels at random, which interleaved a burst of stdout with a later burst of stderr
+        // line by line (seen on the H200) and broke the frontend's batches into single lines.
+        let source = match name {
+            StreamName::Stdout => &stdout,
+            StreamName::Stderr => &stderr,
+        };
+        let mut current = lock(current);
+        let mut next = Some(line);
+        while let Some(line) = next.take() {
+            match line.strip_prefix(STDERR_SYNC_PREFIX) {
+                Some(token) => {
+                    let _ = synced.send(token.to_string());
+                }
+                None => deliver(&mut current, name, line),
+            }
+            next = source.try_recv().ok();
         }
-        deliver(&mut lock(current), name, line);
     }
 }
 
@@ -171,16 +209,20 @@ fn deliver(current: &mut Current, name: StreamName, line: String) {
     if name == StreamName::Stderr {
         keep_tail(&mut current.leftovers.stderr, &line);
     }
-    let output = match classify(name, line) {
-        Classified::Output(output) => output,
-        Classified::Panic(panic) => {
-            current.leftovers.panics.push(panic);
-            return;
+    match classify(name, line) {
+        Classified::Output(output) => {
+            if name == StreamName::Stdout {
+                // Output after held rich output: that was not the cell's last, so not its value.
+                let held = current.leftovers.trailing.release();
+                current.show_blocks(held);
+            }
+            current.show(output);
         }
-    };
-    match &current.sink {
-        Some(sink) => sink(output),
-        None => tracing::debug!("output outside a cell: {output:?}"),
+        Classified::Content(block) => {
+            let shown = current.leftovers.trailing.block(block);
+            current.show_blocks(shown);
+        }
+        Classified::Panic(panic) => current.leftovers.panics.push(panic),
     }
 }
 
@@ -201,6 +243,7 @@ fn keep_tail(kept: &mut String, line: &str) {
 
 enum Classified {
     Output(CellOutput),
+    Content(Block),
     Panic(PanicReport),
 }
 
@@ -212,6 +255,9 @@ fn classify(name: StreamName, line: String) -> Classified {
                 CellMessage::Display(display) => Classified::Output(CellOutput::Display(display)),
                 CellMessage::ClearOutput { wait } => {
                     Classified::Output(CellOutput::ClearOutput { wait })
+                }
+                CellMessage::Content { mime, content } => {
+                    Classified::Content(Block { mime, content })
                 }
                 CellMessage::Panic {
                     thread,
@@ -249,7 +295,7 @@ mod tests {
         let mut slowest = Duration::ZERO;
         for _ in 0..300 {
             let began = Instant::now();
-            pump.attach(Arc::new(|_| {}));
+            pump.attach(Arc::new(|_| {}), false);
             slowest = slowest.max(began.elapsed());
         }
         assert!(
@@ -265,11 +311,14 @@ mod tests {
         let pump = StreamPump::start(stdout, stderr);
         let seen = Arc::new(std::sync::Mutex::new(String::new()));
         let sink_seen = Arc::clone(&seen);
-        pump.attach(Arc::new(move |output| {
-            if let super::CellOutput::Stream(_, text) = output {
-                sink_seen.lock().unwrap().push_str(&text);
-            }
-        }));
+        pump.attach(
+            Arc::new(move |output| {
+                if let super::CellOutput::Stream(_, text) = output {
+                    sink_seen.lock().unwrap().push_str(&text);
+                }
+            }),
+            false,
+        );
         for i in 0..50 {
             stdout_tx.send(format!("line {i}")).unwrap();
         }
@@ -281,6 +330,116 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), expected);
     }
 
+    /// Bursts already waiting on both channels come out as one run per stream, not line by
+    /// line alternating (which split the frontend's batches on the H200).
+    #[test]
+    fn waiting_bursts_are_delivered_stream_by_stream() {
+        let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink_seen = Arc::clone(&seen);
+        {
+            // Holding the sink lock, the pump can take at most one line before both bursts wait.
+            let mut current = super::lock(&pump.current);
+            for i in 0..200 {
+                stdout_tx.send(format!("out {i}")).unwrap();
+            }
+            for i in 0..50 {
+                stderr_tx.send(format!("err {i}")).unwrap();
+            }
+            current.sink = Some(Arc::new(move |output| {
+                if let super::CellOutput::Stream(name, _) = output {
+                    sink_seen.lock().unwrap().push(name);
+                }
+            }));
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while seen.lock().unwrap().len() < 250 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let names = seen.lock().unwrap().clone();
+        assert_eq!(names.len(), 250);
+        let switches = names.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(
+            switches <= 1,
+            "{switches} switches between stdout and stderr"
+        );
+    }
+
+    /// Runs `lines` through a pump attached with `ends_in_value`; returns what the sink saw
+    /// (streams as text, displays by their first MIME type) and the blocks held at detach.
+    fn pumped(lines: &[String], ends_in_value: bool) -> (Vec<String>, Vec<super::Block>) {
+        let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink_seen = Arc::clone(&seen);
+        pump.attach(
+            Arc::new(move |output| {
+                let text = match output {
+                    super::CellOutput::Stream(_, text) => text,
+                    super::CellOutput::Display(display) => {
+                        let (mime, value) = display
+                            .data
+                            .iter()
+                            .find(|(mime, _)| *mime != "text/plain")
+                            .unwrap();
+                        format!("{mime}: {}", value.as_str().unwrap_or_default())
+                    }
+                    super::CellOutput::ClearOutput { .. } => "clear".into(),
+                };
+                sink_seen.lock().unwrap().push(text);
+            }),
+            ends_in_value,
+        );
+        for line in lines {
+            stdout_tx.send(line.clone()).unwrap();
+        }
+        while !stdout_tx.is_empty() {
+            std::thread::yield_now();
+        }
+        let leftovers = pump.detach(None, Duration::from_secs(5));
+        let (shown, result) = leftovers.trailing.finish(true);
+        assert!(shown.is_empty());
+        let seen = seen.lock().unwrap().clone();
+        (seen, result)
+    }
+
+    fn content(mime: &str, content: &str) -> String {
+        tchmem_wire::CellMessage::Content {
+            mime: mime.into(),
+            content: content.into(),
+        }
+        .to_line()
+    }
+
+    #[test]
+    fn evcxr_blocks_become_displays_between_the_lines_around_them() {
+        let lines = [
+            "before".to_string(),
+            content("text/html", "<b>a</b>"),
+            "after".to_string(),
+            content("text/html", "<b>b</b>"),
+        ];
+        let (seen, result) = pumped(&lines, false);
+        assert_eq!(
+            seen,
+            [
+                "before\n",
+                "text/html: <b>a</b>",
+                "after\n",
+                "text/html: <b>b</b>"
+            ]
+        );
+        assert!(result.is_empty());
+        // In a cell ending in a value, the last block is held back as the result.
+        let (seen, result) = pumped(&lines, true);
+        assert_eq!(seen, ["before\n", "text/html: <b>a</b>", "after\n"]);
+        assert_eq!(result.len(), 1);
+        assert_eq!(result[0].content, "<b>b</b>");
+    }
+
     #[test]
     fn a_line_sent_before_detach_reaches_the_cell_that_printed_it() {
         for _ in 0..30 {
@@ -289,7 +448,7 @@ mod tests {
             let pump = StreamPump::start(stdout, stderr);
             let seen = Arc::new(std::sync::Mutex::new(0));
             let counter = Arc::clone(&seen);
-            pump.attach(Arc::new(move |_| *counter.lock().unwrap() += 1));
+            pump.attach(Arc::new(move |_| *counter.lock().unwrap() += 1), false);
             stdout_tx.send("last line".into()).unwrap();
             // As evcxr does before it returns: wait until the channel is empty.
             while !stdout_tx.is_empty() {
