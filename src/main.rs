@@ -14,6 +14,7 @@ mod kernel;
 mod libtorch;
 mod magics;
 mod notebook;
+mod parse_thread;
 mod report;
 mod rewrite;
 

@@ -13,8 +13,8 @@ use super::streams::{CellOutput, StreamName};
 use super::{CellIo, CellOutcome};
 use crate::magics::optimize::OptimizeRequest;
 use crate::magics::CellMagicSource;
-use crate::report::compare::{comparison_display, is_out_of_memory, Side};
-use crate::rewrite::{self, Refusal};
+use crate::report::compare::{comparison_display, Side, SideFailure};
+use crate::rewrite::{self, Change, Refusal};
 
 /// The error for a loop the rewriter will not touch: what it looked for, on which line of the
 /// cell, and where the patterns are described.
@@ -55,7 +55,7 @@ impl CodeOrigin {
 }
 
 /// The rewritten code as a rich output (a Rust code block, with what changed).
-fn code_display(flags: &str, code: &str, changes: &[String]) -> Display {
+fn code_display(flags: &str, code: &str, changes: &[Change]) -> Display {
     let changes_md: String = changes.iter().map(|c| format!("- {c}\n")).collect();
     let markdown =
         format!("**%%optimize {flags}** rewrote the cell:\n\n{changes_md}\n```rust\n{code}\n```\n");
@@ -186,7 +186,7 @@ impl Session {
         match (&original_side, &rewritten_side) {
             // Both ran out of memory: that is the comparison's answer, and the display says it.
             (Err(original), Err(rewritten))
-                if is_out_of_memory(original) && is_out_of_memory(rewritten) =>
+                if original.is_out_of_memory() && rewritten.is_out_of_memory() =>
             {
                 CellOutcome::default()
             }
@@ -205,7 +205,7 @@ impl Session {
 /// The measurements of one compare run, or why there are none.
 fn measured(outcome: CellOutcome) -> Side {
     if let Some(error) = outcome.error {
-        return Err(format!("{}: {}", error.ename, first_line(&error.evalue)));
+        return Err(SideFailure::new(error.ename, first_line(&error.evalue)));
     }
     outcome
         .data
@@ -213,7 +213,12 @@ fn measured(outcome: CellOutcome) -> Side {
         .find(|(mime, _)| mime.as_str() == COMPARE_RUN_MIME)
         .and_then(|(_, json)| serde_json::from_str::<CompareRun>(json).ok())
         .filter(|run| !run.losses.is_empty())
-        .ok_or_else(|| "no training step was recorded (the loop ran no optimizer step)".to_string())
+        .ok_or_else(|| {
+            SideFailure::new(
+                "NoStep",
+                "no training step was recorded (the loop ran no optimizer step)",
+            )
+        })
 }
 
 fn first_line(text: &str) -> &str {

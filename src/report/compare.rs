@@ -14,7 +14,38 @@ use super::format::human_bytes;
 pub const COMPARISON_MIME: &str = "application/vnd.tchmem.comparison+json";
 
 /// One side of the comparison: its run, or why it has none (e.g. the original ran out of memory).
-pub type Side = Result<CompareRun, String>;
+pub type Side = Result<CompareRun, SideFailure>;
+
+/// Why one side has no run: the cell error's name (`OutOfMemory`, `Panic`, …) kept apart from
+/// its message, so that the table can show the name and the verdict the whole reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SideFailure {
+    /// The error's name, as the cell error has it.
+    pub name: String,
+    /// Its first line of explanation.
+    pub message: String,
+}
+
+impl SideFailure {
+    /// A failure named `name`, explained by `message`.
+    pub fn new(name: impl Into<String>, message: impl Into<String>) -> SideFailure {
+        SideFailure {
+            name: name.into(),
+            message: message.into(),
+        }
+    }
+
+    /// Whether memory ran out (a result worth showing, not a failure of the comparison).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.name == "OutOfMemory"
+    }
+}
+
+impl std::fmt::Display for SideFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.name, self.message)
+    }
+}
 
 /// Peak minus what outlives a step: activations and temporaries at the peak.
 fn transient(run: &CompareRun) -> Option<u64> {
@@ -35,7 +66,7 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
         let cell = |side: &Side| match side {
             Ok(run) => show(run),
             // The error's name; the verdict under the table gives the whole reason once.
-            Err(why) => format!("failed: {}", why.split(':').next().unwrap_or(why)),
+            Err(why) => format!("failed: {}", why.name),
         };
         (what.to_string(), cell(original), cell(rewritten))
     };
@@ -110,16 +141,10 @@ fn rows(original: &Side, rewritten: &Side) -> Vec<(String, String, String)> {
     rows
 }
 
-/// Whether a side failed because memory ran out (a result worth showing, not a failure of the
-/// comparison).
-pub fn is_out_of_memory(side_error: &str) -> bool {
-    side_error.starts_with("OutOfMemory")
-}
-
 /// The verdict line: the saving in bytes and percent, and the time cost.
 pub fn verdict(original: &Side, rewritten: &Side) -> String {
     match (original, rewritten) {
-        (Err(a), Err(b)) if is_out_of_memory(a) && is_out_of_memory(b) => {
+        (Err(a), Err(b)) if a.is_out_of_memory() && b.is_out_of_memory() => {
             "Neither fits: the original and the rewritten loop both ran out of memory. This \
              technique alone is not enough here; combine it with another (flags can be given \
              together)."
@@ -316,7 +341,7 @@ pub fn comparison_display(flags: &str, original: &Side, rewritten: &Side) -> Dis
     data.insert("text/html".into(), Value::String(html));
     let side_json = |side: &Side| match side {
         Ok(run) => serde_json::to_value(run).unwrap_or_default(),
-        Err(why) => serde_json::json!({ "error": why }),
+        Err(why) => serde_json::json!({ "error": why.to_string(), "error_name": why.name }),
     };
     data.insert(
         COMPARISON_MIME.into(),
@@ -365,11 +390,14 @@ mod tests {
 
     #[test]
     fn both_sides_out_of_memory_is_a_verdict_and_other_failures_are_not() {
-        let oom: Side = Err("OutOfMemory: CUDA ran out of memory in this cell".into());
+        let oom: Side = Err(SideFailure::new(
+            "OutOfMemory",
+            "CUDA ran out of memory in this cell",
+        ));
         let plain =
             comparison_display("--amp bf16", &oom, &oom.clone()).data["text/plain"].to_string();
         assert!(plain.contains("Neither fits"), "{plain}");
-        assert!(!super::is_out_of_memory("Panic: boom"));
+        assert!(!SideFailure::new("Panic", "boom").is_out_of_memory());
     }
 
     #[test]
@@ -382,7 +410,7 @@ mod tests {
 
     #[test]
     fn cpu_runs_say_memory_is_cuda_only_and_a_failed_original_is_shown() {
-        let a: Side = Err("OutOfMemory".into());
+        let a: Side = Err(SideFailure::new("OutOfMemory", "CUDA ran out of memory"));
         let b = Ok(run(None, vec![1.0]));
         assert!(verdict(&a, &b).starts_with("The original failed"));
         let text = verdict(&Ok(run(None, vec![1.0])), &b);

@@ -8,6 +8,7 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Block, Expr};
 
 use super::cell::line_of;
+use super::change::Change;
 use super::span::FORWARD_METHODS;
 use super::syntax::{is_nn_path, strip_parens};
 use super::Refusal;
@@ -42,7 +43,7 @@ fn chain_root(mut expr: &Expr) -> Option<&'static str> {
 pub(crate) fn apply(
     block: &mut Block,
     segments: Option<u32>,
-    changes: &mut Vec<String>,
+    changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let mut rewriter = Rewriter {
         segments,
@@ -72,10 +73,13 @@ pub(crate) fn apply(
         None => "√layers segments".to_string(),
     };
     for (line, name) in &rewriter.found {
-        changes.push(format!(
-            "line {line}: --checkpoint: nn::{name}() → tchmem::checkpoint::{name}() ({how}): \
+        changes.push(Change::at(
+            *line,
+            format!(
+                "--checkpoint: nn::{name}() → tchmem::checkpoint::{name}() ({how}): \
              activations inside each segment are recomputed in the backward pass instead of \
              being kept"
+            ),
         ));
     }
     Ok(())

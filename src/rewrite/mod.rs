@@ -16,6 +16,7 @@
 mod accumulate;
 mod amp;
 mod cell;
+mod change;
 mod checkpoint;
 mod compare;
 mod optimizer;
@@ -29,6 +30,10 @@ mod tree;
 mod tests;
 
 use std::fmt;
+
+use crate::parse_thread::{self, ParseThreadError};
+
+pub use change::Change;
 
 pub(crate) use cell::parses_safely;
 
@@ -125,7 +130,7 @@ pub struct Rewritten {
     /// The code to show and run; it starts with a comment header saying what was rewritten.
     pub code: String,
     /// One line per change (or skipped rewrite), for the user.
-    pub changes: Vec<String>,
+    pub changes: Vec<Change>,
 }
 
 /// Why a cell was not rewritten: what the rewriter looked for, and where.
@@ -193,13 +198,13 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
     let mut names = syntax::Names::of(&block);
     let present = syntax::tchmem_modules(&block);
     let mut changes = Vec::new();
-    let skip = |module: &str, flag: &str, changes: &mut Vec<String>| -> bool {
+    let skip = |module: &str, flag: &str, changes: &mut Vec<Change>| -> bool {
         let found = present.contains(module);
         if found {
-            changes.push(format!(
+            changes.push(Change::general(format!(
                 "{flag}: skipped, the cell already uses tchmem::{module} (rewrite the original \
                  cell instead, to combine rewrites)"
-            ));
+            )));
         }
         found
     };
@@ -234,49 +239,27 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
 
     let header = format!("%%optimize {}: rewritten by tchmem", options.flags());
     let code = cell::print(&cell, &block, &header);
-    in_line_order(&mut changes);
+    change::in_line_order(&mut changes);
     Ok(Rewritten { code, changes })
-}
-
-/// Orders the changes by the cell line they name (the rewrites run in their own order, the
-/// reader reads top to bottom); changes without a line come last, in the order they were made.
-fn in_line_order(changes: &mut [String]) {
-    let line = |change: &String| -> Option<usize> {
-        let rest = change
-            .strip_prefix("lines ")
-            .or_else(|| change.strip_prefix("line "))?;
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
-    };
-    changes.sort_by_key(|change| line(change).unwrap_or(usize::MAX));
 }
 
 /// The stack the rewriter runs on: syn and the visitors recurse once per nesting level.
 const STACK_BYTES: usize = 256 << 20;
 
-/// Runs `job` on its own thread with a large stack, so that deeply nested input cannot overflow
-/// the caller's stack, a bug cannot take the kernel down (a panic becomes a refusal), and the
-/// source text that proc-macro2 keeps per thread for span locations is freed with the thread.
+/// Runs `job` on a parsing thread with a large stack (see [`crate::parse_thread`]): deeply
+/// nested input cannot overflow the caller's stack, and a bug becomes a refusal.
 fn isolated<T: Send + 'static>(
     src: &str,
     job: impl FnOnce(&str) -> Result<T, Refusal> + Send + 'static,
 ) -> Result<T, Refusal> {
     let src = src.to_owned();
-    let spawned = std::thread::Builder::new()
-        .name("tchmem-rewrite".into())
-        .stack_size(STACK_BYTES)
-        .spawn(move || job(&src));
-    match spawned {
-        Ok(handle) => handle.join().unwrap_or_else(|_| {
-            Err(Refusal::new(
-                "the rewriter failed on this cell (an internal error, please report it with \
-                 the cell); nothing was run",
-                None,
-            ))
-        }),
-        Err(error) => Err(Refusal::new(
-            format!("could not start the rewriter: {error}"),
+    match parse_thread::run("tchmem-rewrite", STACK_BYTES, move || job(&src)) {
+        Ok(result) => result,
+        Err(ParseThreadError::Panicked) => Err(Refusal::new(
+            "the rewriter failed on this cell (an internal error, please report it with the \
+             cell); nothing was run",
             None,
         )),
+        Err(error) => Err(Refusal::new(error.to_string(), None)),
     }
 }

@@ -8,6 +8,7 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Block, Expr, Stmt};
 
 use super::cell::line_of;
+use super::change::Change;
 use super::syntax::{as_ident, comment, is_nn_path, segments, strip_parens};
 use super::tree::Tree;
 use super::{OptimizerChoice, Refusal};
@@ -168,7 +169,7 @@ pub(crate) fn builds(tree: &Tree) -> Vec<Build> {
 pub(crate) fn swap(
     block: &mut Block,
     choice: OptimizerChoice,
-    changes: &mut Vec<String>,
+    changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let flag = format!("--optimizer {}", choice.flag_value());
     let tree = Tree::of(block);
@@ -208,8 +209,7 @@ pub(crate) fn swap(
             continue;
         };
         let mut change = format!(
-            "line {}: {flag}: nn::{name} → tchmem::optim::{} ({})",
-            build.line,
+            "{flag}: nn::{name} → tchmem::optim::{} ({})",
             choice.type_name(),
             state_note(choice)
         );
@@ -227,7 +227,7 @@ pub(crate) fn swap(
             }
             _ => "; same learning rate",
         });
-        changes.push(change);
+        changes.push(Change::at(build.line, change));
     }
     let mut swapper = Swapper {
         choice,
@@ -237,10 +237,10 @@ pub(crate) fn swap(
     swapper.visit_block_mut(block);
     let fixed = swapper.types.fixed;
     if fixed > 0 {
-        changes.push(format!(
+        changes.push(Change::general(format!(
             "{flag}: {fixed} type annotation{} nn::Optimizer → tchmem::optim::Optimizer",
             if fixed == 1 { "" } else { "s" }
-        ));
+        )));
     }
     Ok(())
 }
@@ -249,7 +249,7 @@ pub(crate) fn swap(
 /// update and settings on torch's fused kernel. tch's C++ optimizers launch several kernels per
 /// parameter, which costs little next to an fp32 step but a tenth of a short mixed-precision one.
 /// Left alone (with a note) when the cell builds another optimizer or calls a method ours lacks.
-pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<String>) {
+pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<Change>) {
     let tree = Tree::of(block);
     let found = tch_builds(&tree);
     let fused = |build: &Build| match &build.config {
@@ -261,21 +261,26 @@ pub(crate) fn fuse_adam(block: &mut Block, flag: &str, changes: &mut Vec<String>
     }
     let variables: Vec<Ident> = found.iter().filter_map(|b| b.binding.clone()).collect();
     if let Some((variable, method, line)) = unsupported_call(block, &variables) {
-        changes.push(format!(
-            "line {line}: {flag}: kept tch's optimizer, since `{variable}.{method}(…)` has no \
+        changes.push(Change::at(
+            line,
+            format!(
+                "{flag}: kept tch's optimizer, since `{variable}.{method}(…)` has no \
              equivalent on tchmem::optim::Optimizer (tchmem's fused Adam/AdamW would make short \
              mixed-precision steps faster)"
+            ),
         ));
         return;
     }
     drop(tree);
     for build in &found {
         let kind = fused(build).unwrap_or("AdamW");
-        changes.push(format!(
-            "line {}: {flag}: nn::{kind} → tchmem::optim::{kind}::from(…): the same update and \
-             settings on torch's fused kernel (tch's launches several kernels per parameter, a \
-             visible share of a mixed-precision step)",
-            build.line
+        changes.push(Change::at(
+            build.line,
+            format!(
+                "{flag}: nn::{kind} → tchmem::optim::{kind}::from(…): the same update and \
+                 settings on torch's fused kernel (tch's launches several kernels per parameter, \
+                 a visible share of a mixed-precision step)"
+            ),
         ));
     }
     let mut fuser = Fuser {

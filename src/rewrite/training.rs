@@ -7,6 +7,7 @@ use syn::{Block, Stmt};
 
 use super::accumulate::{self, Generated};
 use super::amp;
+use super::change::Change;
 use super::optimizer::{builds, Build};
 use super::span::{escaping_control_flow, has_path, used_later, ForwardSpan};
 use super::step::{self, Clip, Form, Loss, Step};
@@ -20,7 +21,7 @@ pub(crate) fn apply(
     amp: Option<Amp>,
     accumulate: Option<u32>,
     names: &mut Names,
-    changes: &mut Vec<String>,
+    changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let flag = match (amp, accumulate) {
         (Some(_), Some(_)) => "--amp with --accumulate",
@@ -161,14 +162,16 @@ pub(crate) fn apply(
         // says; else CUDA when there is one.
         let device = optimizer_site(&tree, &step).map(|site| site.vs);
         body = vec![amp::autocast(amp, device.as_ref(), &body, &returned)?];
-        changes.push(format!(
-            "{}: --amp {}: the forward pass and loss run under tchmem::amp::autocast({}): \
+        changes.push(Change::over(
+            span.lines,
+            format!(
+                "--amp {}: the forward pass and loss run under tchmem::amp::autocast({}): \
              matmuls and convolutions compute in {}, so their activations take half the memory; \
              parameters, gradients and optimizer state stay f32",
-            span.describe_lines(),
-            if f16 { "f16" } else { "bf16" },
-            if f16 { "Half" } else { "BFloat16" },
-            if f16 { "f16" } else { "bf16" },
+                if f16 { "f16" } else { "bf16" },
+                if f16 { "Half" } else { "BFloat16" },
+                if f16 { "f16" } else { "bf16" },
+            ),
         ));
     }
     let mut replacement = body;
@@ -184,39 +187,46 @@ pub(crate) fn apply(
             &generated,
         )?;
         let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
-        changes.push(format!(
-            "{}: --accumulate {k}: the batch ({}) runs as {k} micro-batches \
+        changes.push(Change::over(
+            span.lines,
+            format!(
+                "--accumulate {k}: the batch ({}) runs as {k} micro-batches \
              (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by \
              its share of the batch, so the gradients add up to the whole batch's, and the \
              optimizer steps once per batch; `{}` is the whole batch's loss, as before",
-            span.describe_lines(),
-            batch_names.join(", "),
-            span.loss.ident,
+                batch_names.join(", "),
+                span.loss.ident,
+            ),
         ));
         let text = quote::ToTokens::to_token_stream(&*block).to_string();
         if text.contains("batch_norm") {
-            changes.push(
+            changes.push(Change::general(
                 "note: batch-norm layers normalise over each micro-batch, not the whole batch, \
-                 so their statistics (and outputs) change"
-                    .to_string(),
-            );
+                 so their statistics (and outputs) change",
+            ));
         }
     }
 
     let step_replacement = step_stmts(&step, accumulate.is_some(), scaler.as_ref())?;
     if let Some(scaler) = &scaler {
         if accumulate.is_none() {
-            changes.push(format!(
-                "line {}: --amp f16: {scaler}.backward_step(&mut {}, &{}) replaces the step: \
-                 it scales the loss so that f16 gradients do not underflow, unscales them, and \
-                 skips the step when they overflow",
-                step.line, step.opt, span.loss.ident
+            changes.push(Change::at(
+                step.line,
+                format!(
+                    "--amp f16: {scaler}.backward_step(&mut {}, &{}) replaces the step: it \
+                     scales the loss so that f16 gradients do not underflow, unscales them, and \
+                     skips the step when they overflow",
+                    step.opt, span.loss.ident
+                ),
             ));
         } else {
-            changes.push(format!(
-                "line {}: --amp f16: {scaler}.step(&mut {}) replaces the step: it unscales the \
-                 accumulated gradients and skips the step when they overflow",
-                step.line, step.opt
+            changes.push(Change::at(
+                step.line,
+                format!(
+                    "--amp f16: {scaler}.step(&mut {}) replaces the step: it unscales the \
+                     accumulated gradients and skips the step when they overflow",
+                    step.opt
+                ),
             ));
         }
     }
@@ -273,7 +283,7 @@ pub(crate) fn hoist_loss(
     step: &Step,
     expr: syn::Expr,
     names: &mut Names,
-    changes: &mut Vec<String>,
+    changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let loss = names.fresh("loss");
     let binding = stmts(quote!(let #loss = #expr;))?;
@@ -289,10 +299,13 @@ pub(crate) fn hoist_loss(
         }
         b.stmts.splice(index..index, binding);
     });
-    changes.push(format!(
-        "line {}: the loss passed to {}.backward_step(…) is bound first (`let {loss} = …;`), \
-         so that the rewrites can wrap its computation",
-        step.line, step.opt
+    changes.push(Change::at(
+        step.line,
+        format!(
+            "the loss passed to {}.backward_step(…) is bound first (`let {loss} = …;`), so \
+             that the rewrites can wrap its computation",
+            step.opt
+        ),
     ));
     Ok(())
 }
@@ -312,7 +325,7 @@ fn add_scaler(
     block: &mut Block,
     step: &Step,
     scaler: &Ident,
-    changes: &mut Vec<String>,
+    changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let tree = Tree::of(block);
     let Some(site) = optimizer_site(&tree, step) else {
@@ -334,10 +347,13 @@ fn add_scaler(
     edit_block(block, target, |b| {
         b.stmts.splice(at..at, created);
     });
-    changes.push(format!(
-        "line {}: --amp f16: a tchmem::amp::GradScaler (`{scaler}`) is created after the \
-         optimizer `{}`",
-        site.line, step.opt
+    changes.push(Change::at(
+        site.line,
+        format!(
+            "--amp f16: a tchmem::amp::GradScaler (`{scaler}`) is created after the optimizer \
+             `{}`",
+            step.opt
+        ),
     ));
     Ok(())
 }
