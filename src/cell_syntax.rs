@@ -9,6 +9,7 @@
 use syn::{Block, Expr, Stmt};
 
 use crate::magics;
+use crate::parse_thread;
 
 /// Cells larger than this are not parsed.
 const MAX_BYTES: usize = 1 << 20;
@@ -49,38 +50,108 @@ pub enum Tail {
 
 /// Reads `cell` (a whole cell, magics included).
 pub fn read(cell: &str) -> Syntax {
+    with_block(cell, |parsed, text| match parsed {
+        Ok(block) => Syntax::Valid(tail(&block)),
+        Err(error) => {
+            // An error at the closing brace: the parser wanted more before the end
+            // ("unexpected end of input, expected an expression", "expected `;`").
+            let at = error.span().start();
+            if at.line == text.lines().count() && at.column == 0 {
+                Syntax::Unfinished {
+                    indent: last_indent(text),
+                }
+            } else {
+                Syntax::Invalid
+            }
+        }
+    })
+    .unwrap_or(Syntax::Unknown)
+}
+
+/// A `let` at the top of a cell that binds a name to a new `VarStore`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VarStoreBinding {
+    /// The variable's name.
+    pub name: String,
+    /// The cell line (0-based) of the statement's closing `;`.
+    pub line: usize,
+    /// The character column just after that `;`.
+    pub column: usize,
+}
+
+/// The cell's top-level `let`s that certainly bind a `VarStore`: `let vs = nn::VarStore::new(…);`
+/// or `let vs: nn::VarStore = …;` (any path ending in `VarStore`). Read from the syntax alone,
+/// before the cell compiles; a store made any other way is found after the cell ran.
+pub fn var_store_bindings(cell: &str) -> Vec<VarStoreBinding> {
+    with_block(cell, |parsed, _| {
+        let Ok(block) = parsed else {
+            return Vec::new();
+        };
+        block
+            .stmts
+            .iter()
+            .filter_map(|stmt| match stmt {
+                Stmt::Local(local) => var_store_let(local),
+                _ => None,
+            })
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+fn var_store_let(local: &syn::Local) -> Option<VarStoreBinding> {
+    let (pat, annotated) = match &local.pat {
+        syn::Pat::Type(typed) => (&*typed.pat, ends_with(&typed.ty, &["VarStore"])),
+        pat => (pat, false),
+    };
+    let syn::Pat::Ident(ident) = pat else {
+        return None;
+    };
+    let init = local.init.as_ref().filter(|init| init.diverge.is_none())?;
+    let made_here = matches!(&*init.expr, Expr::Call(call)
+        if matches!(&*call.func, Expr::Path(path) if path_ends_with(&path.path, &["VarStore", "new"])));
+    if !(annotated || made_here) || ident.by_ref.is_some() || ident.subpat.is_some() {
+        return None;
+    }
+    let end = local.semi_token.span.end();
+    // Lines in the parsed text start with the opening brace's line (see `with_block`).
+    Some(VarStoreBinding {
+        name: ident.ident.to_string(),
+        line: end.line.checked_sub(2)?,
+        column: end.column,
+    })
+}
+
+fn ends_with(ty: &syn::Type, names: &[&str]) -> bool {
+    matches!(ty, syn::Type::Path(path) if path.qself.is_none() && path_ends_with(&path.path, names))
+}
+
+fn path_ends_with(path: &syn::Path, names: &[&str]) -> bool {
+    let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+    segments.len() >= names.len() && segments[segments.len() - names.len()..] == *names
+}
+
+/// Parses the Rust part of `cell` as a block (on the parsing thread, after the size limits) and
+/// hands the result and the parsed text to `judge`; `None` when the cell was not parsed. The text
+/// is the cell's Rust lines between a line `{` and a line `}`, so cell line `n` (0-based) is the
+/// parser's line `n + 2`.
+fn with_block<T: Send + 'static>(
+    cell: &str,
+    judge: impl FnOnce(syn::Result<Block>, &str) -> T + Send + 'static,
+) -> Option<T> {
     let rust = rust_part(cell);
     if rust.len() > MAX_BYTES || rust.contains("#!") {
-        return Syntax::Unknown;
+        return None;
     }
     // The closing brace is on a line of its own: an error there is the end of the cell.
     let text = format!("{{\n{rust}\n}}");
     if !crate::rewrite::parses_safely(&text) {
-        return Syntax::Unknown;
+        return None;
     }
-    let end_line = text.lines().count();
-    let parsed = std::thread::Builder::new()
-        .name("cell-syntax".into())
-        .stack_size(PARSER_STACK)
-        .spawn(move || match syn::parse_str::<Block>(&text) {
-            Ok(block) => Syntax::Valid(tail(&block)),
-            Err(error) => {
-                // An error at the closing brace: the parser wanted more before the end
-                // ("unexpected end of input, expected an expression", "expected `;`").
-                let at = error.span().start();
-                if at.line == end_line && at.column == 0 {
-                    Syntax::Unfinished {
-                        indent: last_indent(&text),
-                    }
-                } else {
-                    Syntax::Invalid
-                }
-            }
-        });
-    match parsed.map(|thread| thread.join()) {
-        Ok(Ok(syntax)) => syntax,
-        _ => Syntax::Unknown,
-    }
+    parse_thread::run("cell-syntax", PARSER_STACK, move || {
+        judge(syn::parse_str::<Block>(&text), &text)
+    })
+    .ok()
 }
 
 /// The cell's Rust code, with the lines that are not Rust blanked (so that line numbers stay).

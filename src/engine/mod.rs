@@ -5,6 +5,7 @@
 //! async kernel and the synchronous notebook runner drive it the same way. Interrupts bypass the
 //! queue (see [`Engine::interrupt`]).
 
+mod auto_watch;
 mod completion;
 mod errors;
 mod infer;

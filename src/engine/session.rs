@@ -1,11 +1,13 @@
 //! The engine thread's side: owns the evcxr context and runs jobs.
 
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use evcxr::{CommandContext, EvalCallbacks};
 
+use super::auto_watch;
 use super::errors::{self, CellError, Termination};
 use super::infer;
 use super::positions::char_to_byte;
@@ -135,6 +137,10 @@ fn typed_by_compiler(
     Some(infer::annotate(code, &lets, &types))
 }
 
+/// The file in a compile directory that says its dependencies were checked (see
+/// `Session::check_dependencies`).
+const DEPENDENCIES_CHECKED: &str = "tchmem-dependencies-checked";
+
 /// How long to wait for the end of a cell's stderr after the cell returned.
 const STDERR_GRACE: Duration = Duration::from_secs(5);
 
@@ -210,7 +216,7 @@ impl Session {
             );
             if outcome.error.is_none() {
                 session.child_setup = Some(super::setup::CHILD_SETUP);
-                session.check_dependencies();
+                session.check_dependencies(&config.workdir, &prelude);
             }
             if let Some(error) = outcome.error {
                 session.notices.push(format!(
@@ -232,15 +238,25 @@ impl Session {
     /// Has `cargo check` build the dependencies' metadata now. evcxr answers a cell whose
     /// variable types its analysis cannot tell (`let c = a + y;` with `y` undefined) with `cargo
     /// check`, and the first check in a compile directory checks every dependency, tch included:
-    /// the user's first such compile error came back after 83 s (2 shared cores). Here it costs
-    /// once per compile directory (36 s in a fresh one, 0.4 s after).
-    fn check_dependencies(&mut self) {
+    /// the user's first such compile error came back after 83 s (2 shared cores). Done once per
+    /// compile directory and prelude (36 s in a fresh one); a marker file in the directory,
+    /// holding the prelude that was checked, spares later starts the 0.4 s of a repeated check.
+    fn check_dependencies(&mut self, workdir: &Path, prelude: &str) {
+        let marker = workdir.join(DEPENDENCIES_CHECKED);
+        if std::fs::read_to_string(&marker).is_ok_and(|checked| checked == prelude) {
+            return;
+        }
         let Some((context, _)) = self.context.as_mut() else {
             return;
         };
         let started = Instant::now();
-        if let Err(error) = context.check("") {
-            tracing::warn!("could not check the dependencies: {error}");
+        match context.check("") {
+            Ok(_) => {
+                if let Err(error) = std::fs::write(&marker, prelude) {
+                    tracing::warn!("could not write {}: {error}", marker.display());
+                }
+            }
+            Err(error) => tracing::warn!("could not check the dependencies: {error}"),
         }
         tracing::info!(
             "dependencies checked in {:.1} s",
@@ -295,9 +311,15 @@ impl Session {
 
     /// Runs a cell's code and records its memory (shown per `%memprofile`).
     pub(super) fn run_cell_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
-        let mut outcome = self.run_code(code, io);
+        // Stores the cell visibly makes are watched inside it (no second compile).
+        let (code, watched_in_cell) = match self.child_setup {
+            Some(_) => auto_watch::watch_where_made(code),
+            None => (code.to_string(), Vec::new()),
+        };
+        let mut outcome = self.run_code(&code, io);
         if outcome.error.is_none() {
-            if let Some(categories) = self.watch_new_var_stores(code) {
+            self.auto_watched.extend(watched_in_cell.iter().cloned());
+            if let Some(categories) = self.watch_new_var_stores(&code, &watched_in_cell) {
                 // The cell's counters stay; the categories now count the new stores.
                 if let Some(memory) = outcome.report.as_mut().and_then(|r| r.memory.as_mut()) {
                     memory.categories = categories;
@@ -333,9 +355,13 @@ impl Session {
     }
 
     /// Watches VarStores the user's variables hold that are not watched yet, or that `code` just
-    /// bound anew (the user need not call `tchmem::watch`). Returns the categories measured after
-    /// watching them, if any were.
-    fn watch_new_var_stores(&mut self, code: &str) -> Option<Vec<tchmem_wire::memory::Category>> {
+    /// bound anew (the user need not call `tchmem::watch`), but for those `code` watched itself.
+    /// Returns the categories measured after watching them, if any were.
+    fn watch_new_var_stores(
+        &mut self,
+        code: &str,
+        watched_in_cell: &[String],
+    ) -> Option<Vec<tchmem_wire::memory::Category>> {
         self.child_setup?; // no runtime, nothing to watch with
         let (context, _) = self.context.as_ref()?;
         let new: Vec<String> = context
@@ -343,6 +369,7 @@ impl Session {
             .filter(|(_, ty)| ty.rsplit("::").next() == Some("VarStore"))
             .map(|(name, _)| name.to_string())
             .filter(|name| !self.auto_watched.contains(name) || binds(code, name))
+            .filter(|name| !watched_in_cell.contains(name))
             .collect();
         if new.is_empty() {
             return None;
