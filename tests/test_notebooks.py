@@ -132,3 +132,19 @@ def test_tchmem_execute_rejects_what_is_not_a_notebook(tmp_path):
     bad.write_text("{ not json")
     run = subprocess.run([tchmem_bin(), "execute", str(bad)], capture_output=True, text=True)
     assert run.returncode != 0 and "not a notebook" in run.stderr
+
+
+def test_rewritten_code_is_a_monospace_block_in_static_html(tmp_path):
+    """The committed tutorial (with its H200 outputs) as nbconvert renders it for a static page:
+    the code %%optimize shows is a preformatted block, not running text."""
+    from nbconvert import HTMLExporter
+
+    notebook = nbformat.read(Path(__file__).parent.parent / "notebooks" /
+                             "03-making-it-fit.ipynb", as_version=4)
+    html, _ = HTMLExporter().from_notebook_node(notebook)
+    blocks = re.findall(r"<pre>(.*?)</pre>", html, flags=re.S)
+    rewritten = [b for b in blocks if "rewritten by tchmem" in b]
+    assert rewritten, "no rewritten code in a <pre> block"
+    # The whole rewritten loop is inside the block, its lines kept.
+    text = [re.sub(r"<[^>]+>", "", b) for b in rewritten]
+    assert all("for " in t and "VarStore::new" in t and t.count("\n") > 10 for t in text), text
