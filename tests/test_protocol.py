@@ -263,3 +263,15 @@ def test_help_goes_to_the_pager(kernel):
     # Other commands keep their output.
     reply, messages = execute(kc, ":vars")
     assert reply["payload"] == []
+
+
+def test_opt_sets_the_level_of_cells_only_and_rejects_unknown_levels(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, ":opt 2\n21 * 2")
+    assert reply["status"] == "ok", reply
+    assert "Optimization: 2 (cells' own code" in stream_text(messages)
+    assert result_text(messages) == "42"
+    reply, _ = execute(kc, ":opt fast")
+    assert reply["status"] == "error" and "0, 1, 2, 3, s, z" in reply["evalue"], reply
+    reply, messages = execute(kc, ":opt 0\nformat!(\"{}\", 6 * 7)")
+    assert reply["status"] == "ok" and result_text(messages) == '"42"', reply

@@ -6,6 +6,7 @@
 //! queue (see [`Engine::interrupt`]).
 
 mod auto_watch;
+mod cell_opt;
 mod completion;
 mod errors;
 mod infer;

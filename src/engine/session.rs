@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use evcxr::{CommandContext, EvalCallbacks};
 
 use super::auto_watch;
+use super::cell_opt;
 use super::errors::{self, CellError, Termination};
 use super::infer;
 use super::positions::char_to_byte;
@@ -164,6 +165,8 @@ pub struct Session {
     runs: usize,
     /// Variables holding a VarStore that the session already watches for the user.
     auto_watched: std::collections::HashSet<String>,
+    /// The cells' own optimisation level (`:opt`); `None` when its file could not be written.
+    cell_opt: Option<cell_opt::CellOpt>,
     control: Arc<Control>,
 }
 
@@ -181,6 +184,7 @@ impl Session {
             records: Vec::new(),
             runs: 0,
             auto_watched: Default::default(),
+            cell_opt: None,
             control,
         };
         match create_context(&config) {
@@ -192,6 +196,11 @@ impl Session {
                     .unwrap_or_else(|e| e.into_inner()) = Some(context.process_handle());
                 let pump = StreamPump::start(outputs.stdout, outputs.stderr);
                 session.context = Some((context, pump));
+                session.cell_opt = cell_opt::CellOpt::start(&config.workdir)
+                    .inspect_err(|error| {
+                        tracing::warn!("cells keep evcxr's optimisation level: {error}")
+                    })
+                    .ok();
             }
             Err(error) => {
                 tracing::error!("{error:#}");
@@ -287,12 +296,33 @@ impl Session {
                 };
             }
         }
+        // The magic lines become blank lines, so the lines compile errors name are the cell's.
+        let skipped = cell[..cell.len() - code.len()].matches('\n').count();
+        // evcxr's `:opt` sets the level of the cells' own code here (see cell_opt).
+        let code = match self.cell_opt.as_mut() {
+            Some(cell_opt) => {
+                let (rest, said) = cell_opt.take_commands(code);
+                for answer in said {
+                    match answer {
+                        Ok(text) => {
+                            (io.output)(CellOutput::Stream(StreamName::Stdout, text + "\n"))
+                        }
+                        Err(why) => {
+                            return CellOutcome {
+                                error: Some(CellError::new("CommandError", why)),
+                                ..Default::default()
+                            }
+                        }
+                    }
+                }
+                std::borrow::Cow::Owned(rest)
+            }
+            None => std::borrow::Cow::Borrowed(code),
+        };
+        let code = code.as_ref();
         let mut outcome = if code.trim().is_empty() {
             CellOutcome::default()
         } else {
-            // The magic lines become blank lines, so the lines compile errors name are the
-            // cell's.
-            let skipped = cell[..cell.len() - code.len()].matches('\n').count();
             let padded = format!("{}{code}", "\n".repeat(skipped));
             self.run_cell_code(&padded, io)
         };
@@ -485,7 +515,9 @@ impl Session {
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = true;
+        let started = Instant::now();
         let mut result = context.execute_with_callbacks(code, &mut callbacks);
+        tracing::debug!("evcxr compiled and ran the cell in {:?}", started.elapsed());
         // The code compile errors point into: the cell, or the cell with types written out.
         let mut compiled = std::borrow::Cow::Borrowed(code);
         if let Err(evcxr::Error::Message(message)) = &result {
@@ -533,6 +565,10 @@ impl Session {
         }
         let token = outcome.report.as_ref().map(|r| r.sync_token.as_str());
         let mut leftovers = pump.detach(token, STDERR_GRACE);
+        tracing::debug!(
+            "the cell's output was drained {:?} after it began",
+            started.elapsed()
+        );
         let panicked = outcome.report.as_ref().is_some_and(|r| r.panicked);
         let succeeded = outcome.error.is_none() && !panicked;
         let (shown, result) = std::mem::take(&mut leftovers.trailing).finish(succeeded);

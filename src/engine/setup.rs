@@ -98,6 +98,8 @@ impl EngineConfig {
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
+             // A cell ending in a Debug value compiles once (see ShowDebugValue).\n\
+             use tchmem::display::ShowDebugValue as _;\n\
              {CHILD_SETUP}\n",
             self.runtime_crate.display()
         ))
