@@ -163,16 +163,19 @@ fn rust_part(cell: &str) -> String {
     let mut lines = Vec::new();
     let mut leading = true;
     for line in code.lines() {
-        // evcxr's rule: before the first line of Rust, blank lines, `//` comments, `!` shell
-        // commands and `:` commands (after optional spaces) are taken out.
-        leading = leading
-            && (line.trim().is_empty()
-                || line.starts_with("//")
-                || line.starts_with('!')
-                || line.trim_start_matches(' ').starts_with(':'));
+        leading = leading && is_before_rust(line);
         lines.push(if leading { "" } else { line });
     }
     lines.join("\n")
+}
+
+/// Whether `line`, found before any line of Rust, is one evcxr takes out of the cell: a blank
+/// line, a `//` comment, a `!` shell command or a `:` command (after optional spaces).
+pub fn is_before_rust(line: &str) -> bool {
+    line.trim().is_empty()
+        || line.starts_with("//")
+        || line.starts_with('!')
+        || line.trim_start_matches(' ').starts_with(':')
 }
 
 /// The leading spaces of the last non-blank line of `text` (without its closing brace).

@@ -10,6 +10,8 @@ import time
 
 from jupyter_client.manager import start_new_kernel
 
+from cell_overhead import run as run_cell
+
 # Steady-state cells, as a notebook user types them (evcxr needs tch as a :dep; tchmem's
 # prelude has it).
 SETUP_EVCXR = ':dep tch = "=0.24.0"'
@@ -27,23 +29,11 @@ CELLS = {
 }
 
 
-def run(kc, code, timeout=1800):
-    """Executes `code`; returns seconds from request to idle. Exits on a failed cell."""
-    start = time.perf_counter()
-    msg_id = kc.execute(code)
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                and msg["content"]["execution_state"] == "idle"):
-            break
-    elapsed = time.perf_counter() - start
-    while True:
-        reply = kc.get_shell_msg(timeout=timeout)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            break
-    if reply["content"]["status"] != "ok":
-        sys.exit(f"cell failed: {code!r}: {reply['content'].get('evalue', reply['content'])}")
-    return elapsed
+def run(kc, code):
+    """Executes `code`; returns seconds from request to idle. Exits on a failed cell. (The first
+    evcxr cell compiles tch: minutes.)"""
+    seconds, _ = run_cell(kc, code, timeout=1800)
+    return seconds
 
 
 def main(repeats, evcxr_kernel):

@@ -10,6 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::cell_syntax;
+
 /// The level cells start at.
 const DEFAULT_LEVEL: &str = "0";
 /// Levels cargo accepts for `opt-level`.
@@ -56,10 +58,9 @@ impl CellOpt {
         let mut lines = Vec::new();
         let mut leading = true;
         for line in code.split('\n') {
-            let trimmed = line.trim();
-            leading = leading
-                && (trimmed.is_empty() || trimmed.starts_with("//") || trimmed.starts_with(':'));
-            let argument = trimmed
+            leading = leading && cell_syntax::is_before_rust(line);
+            let argument = line
+                .trim()
                 .strip_prefix(":opt")
                 .filter(|rest| rest.is_empty() || rest.starts_with(' '));
             match argument {

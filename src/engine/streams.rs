@@ -304,6 +304,14 @@ mod tests {
         );
     }
 
+    /// Polls `done` until it holds or 5 s have passed (the pump delivers on its own thread).
+    fn wait_until(done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !done() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
     fn lines_reach_the_attached_sink_in_order() {
         let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
@@ -322,10 +330,7 @@ mod tests {
         for i in 0..50 {
             stdout_tx.send(format!("line {i}")).unwrap();
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while seen.lock().unwrap().lines().count() < 50 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(|| seen.lock().unwrap().lines().count() >= 50);
         let expected: String = (0..50).map(|i| format!("line {i}\n")).collect();
         assert_eq!(*seen.lock().unwrap(), expected);
     }
@@ -354,10 +359,7 @@ mod tests {
                 }
             }));
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while seen.lock().unwrap().len() < 250 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(|| seen.lock().unwrap().len() >= 250);
         let names = seen.lock().unwrap().clone();
         assert_eq!(names.len(), 250);
         let switches = names.windows(2).filter(|w| w[0] != w[1]).count();

@@ -333,6 +333,19 @@ mod tests {
         }
     }
 
+    /// rustc's error for an undefined `y` at a cell line and character column.
+    fn undefined_y(line: usize, column: usize) -> Diagnostic {
+        error(
+            "E0425",
+            "cannot find value `y` in this scope",
+            vec![label(
+                span((line, column), (line, column + 1)),
+                "not found in this scope",
+                true,
+            )],
+        )
+    }
+
     fn label(span: CellSpan, text: &str, primary: bool) -> Label {
         Label {
             span,
@@ -369,19 +382,7 @@ mod tests {
     #[test]
     fn the_location_names_the_cell_line_and_character_column() {
         let code = "let a = 1;\nlet b = 2;\nlet c = a + y;\nc";
-        let report = render(
-            &error(
-                "E0425",
-                "cannot find value `y` in this scope",
-                vec![label(
-                    span((3, 13), (3, 14)),
-                    "not found in this scope",
-                    true,
-                )],
-            ),
-            code,
-            Style::Plain,
-        );
+        let report = render(&undefined_y(3, 13), code, Style::Plain);
         let rows: Vec<&str> = report.lines().collect();
         assert_eq!(rows[0], "error[E0425]: cannot find value `y` in this scope");
         assert_eq!(rows[1], " --> cell line 3, column 13");
@@ -393,19 +394,7 @@ mod tests {
     #[test]
     fn a_chinese_comment_on_an_earlier_line_does_not_move_the_error() {
         let code = "let a = 1;\n// 你好，世界\nlet c = a + y;\nc";
-        let report = render(
-            &error(
-                "E0425",
-                "cannot find value `y` in this scope",
-                vec![label(
-                    span((3, 13), (3, 14)),
-                    "not found in this scope",
-                    true,
-                )],
-            ),
-            code,
-            Style::Plain,
-        );
+        let report = render(&undefined_y(3, 13), code, Style::Plain);
         assert!(report.contains("--> cell line 3, column 13"), "{report}");
         assert_underlined(&report, "let c = a + y;", "y", '^');
         assert!(
@@ -419,19 +408,7 @@ mod tests {
         // Columns count characters: `y` is the 33rd character though the 37th byte, and sits
         // at display column 34 (each CJK character is two columns wide).
         let code = "let a = 1; /* 你好 */ let c = a + y;";
-        let report = render(
-            &error(
-                "E0425",
-                "cannot find value `y` in this scope",
-                vec![label(
-                    span((1, 33), (1, 34)),
-                    "not found in this scope",
-                    true,
-                )],
-            ),
-            code,
-            Style::Plain,
-        );
+        let report = render(&undefined_y(1, 33), code, Style::Plain);
         assert!(report.contains("--> cell line 1, column 33"), "{report}");
         assert_underlined(&report, code, "y", '^');
         let underline = report.lines().nth(4).unwrap();
@@ -582,19 +559,7 @@ mod tests {
         // rustc counts lines by \n only and a tab as one column; U+2028 inside a string would
         // start a new line in ariadne's numbering.
         let code = "let s = \"\u{2028}\";\r\n\tlet c = s + y;\r\n";
-        let report = render(
-            &error(
-                "E0425",
-                "cannot find value `y` in this scope",
-                vec![label(
-                    span((2, 14), (2, 15)),
-                    "not found in this scope",
-                    true,
-                )],
-            ),
-            code,
-            Style::Plain,
-        );
+        let report = render(&undefined_y(2, 14), code, Style::Plain);
         assert!(report.contains("--> cell line 2, column 14"), "{report}");
         assert!(report.contains("2 |     let c = s + y;\n"), "{report}");
         assert_underlined(&report, "    let c = s + y;", "y", '^');
