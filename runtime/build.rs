@@ -17,6 +17,7 @@ fn main() {
         .file("csrc/checkpoint.cpp")
         .file("csrc/autocast.cpp")
         .file("csrc/adam.cpp")
+        .file("csrc/stack.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")
@@ -29,31 +30,48 @@ fn main() {
         .warnings(false)
         .compile("tchmem_shim");
 
-    // The OOM observer needs CUDA headers: torch's nvidia wheels have all but crt/, which
-    // scripts/setup installs (nvidia-cuda-crt). Without them the runtime has no observer and
-    // relies on the allocator's OOM counter.
-    println!("cargo::rustc-check-cfg=cfg(tchmem_oom_observer)");
-    let cuda_include = torch.join("../nvidia/cu13/include");
-    if cuda_include.join("crt/host_config.h").exists()
-        && cuda_include.join("cuda_runtime_api.h").exists()
-    {
+    // The OOM observer and the allocation history need CUDA headers: torch's nvidia wheels have
+    // all but crt/, which scripts/setup installs (nvidia-cuda-crt). Without them the runtime has
+    // neither: it relies on the allocator's OOM counter and has no timelines.
+    println!("cargo::rustc-check-cfg=cfg(tchmem_cuda_headers)");
+    println!("cargo:rerun-if-env-changed=TCHMEM_CUDA_INCLUDE");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    // pip's wheels (nvidia-cuda-crt adds crt/), then a CUDA toolkit, as GPU servers have one.
+    let candidates: Vec<PathBuf> = [
+        std::env::var_os("TCHMEM_CUDA_INCLUDE").map(PathBuf::from),
+        Some(torch.join("../nvidia/cu13/include")),
+        std::env::var_os("CUDA_HOME").map(|home| PathBuf::from(home).join("include")),
+        Some(PathBuf::from("/usr/local/cuda/include")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let found = candidates.iter().find(|dir| {
+        dir.join("crt/host_config.h").exists() && dir.join("cuda_runtime_api.h").exists()
+    });
+    if let Some(cuda_include) = found {
         cc::Build::new()
             .cpp(true)
             .file("csrc/oom_observer.cpp")
+            .file("csrc/history.cpp")
             .include(torch.join("include"))
             .include(torch.join("include/torch/csrc/api/include"))
-            .include(&cuda_include)
+            .include(cuda_include)
             .flag("-std=c++17")
             .define("_GLIBCXX_USE_CXX11_ABI", "1")
             .define("GLOG_USE_GLOG_EXPORT", None)
             .flag("-fno-devirtualize-speculatively")
             .warnings(false)
-            .compile("tchmem_oom_observer");
-        println!("cargo:rustc-cfg=tchmem_oom_observer");
+            .compile("tchmem_cuda_shim");
+        println!("cargo:rustc-cfg=tchmem_cuda_headers");
     } else {
         println!(
-            "cargo:warning=no CUDA headers at {} (pip install --no-deps nvidia-cuda-crt==13.0.88): building without the OOM observer",
-            cuda_include.display()
+            "cargo:warning=no CUDA headers in {} (pip install --no-deps nvidia-cuda-crt==13.0.88, or set TCHMEM_CUDA_INCLUDE): building without the OOM observer and the allocation history",
+            candidates
+                .iter()
+                .map(|dir| dir.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
 

@@ -15,7 +15,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tchmem::optim::Step;
 
-const VOCAB: i64 = 50304;
+pub const VOCAB: i64 = 50304;
 const WIDTH: i64 = 1024;
 const HEADS: i64 = 16;
 
@@ -66,7 +66,7 @@ impl Module for Block {
     }
 }
 
-struct Gpt {
+pub struct Gpt {
     wte: nn::Embedding,
     wpe: nn::Embedding,
     blocks: Box<dyn Module>,
@@ -74,7 +74,7 @@ struct Gpt {
 }
 
 impl Gpt {
-    fn new(vs: &nn::VarStore, layers: i64, seq: i64, checkpoint: bool) -> Gpt {
+    pub fn new(vs: &nn::VarStore, layers: i64, seq: i64, checkpoint: bool) -> Gpt {
         let root = vs.root();
         let blocks: Box<dyn Module> = if checkpoint {
             // Every block its own segment, as torch.utils.checkpoint.checkpoint_sequential with
@@ -99,7 +99,7 @@ impl Gpt {
         }
     }
 
-    fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
         let (_, t) = idx.size2().unwrap();
         let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
         let x = self.wte.forward(idx) + self.wpe.forward(&pos);
@@ -280,17 +280,39 @@ pub fn run(
 
     let mut times = Vec::new();
     let mut losses = Vec::new();
+    // With GPT_BENCH_HISTORY set, the step carries tchmem's phase markers (which the timeline
+    // stamps on each allocation), and "trace" or "stacks" record the allocation history.
+    let history = std::env::var("GPT_BENCH_HISTORY").ok();
+    let marks = history.is_some();
+    let mark = |phase: fn()| {
+        if marks {
+            phase()
+        }
+    };
+    if let Some(mode @ ("trace" | "stacks")) = history.as_deref() {
+        let snapshot = std::env::var("GPT_BENCH_SNAPSHOT")
+            .unwrap_or_else(|_| "/tmp/gpt_bench_timeline.pickle".into());
+        tchmem::timeline::begin(tchmem::timeline::Request {
+            snapshot,
+            stacks: mode == "stacks",
+            max_entries: 1_000_000,
+            steps: None,
+        })
+        .expect("allocation history");
+    }
     for _ in 0..steps {
         let start = Instant::now();
         opt.zero_grad();
         let mut total = 0.0;
         for (weight, [x, y]) in tchmem::accumulate::split(cfg.micro_batches, [&idx, &targets]) {
+            mark(tchmem::phase::forward);
             let loss = match cfg.amp {
                 Some(kind) => tchmem::amp::autocast(kind, || model.loss(&x, &y)),
                 None => model.loss(&x, &y),
             };
             let loss = loss * weight;
             phases.mark("forward");
+            mark(tchmem::phase::backward);
             match &scaler {
                 Some(s) => s.scale(&loss).backward(),
                 None => loss.backward(),
@@ -298,18 +320,25 @@ pub fn run(
             phases.mark("backward");
             total += loss.double_value(&[]);
         }
+        mark(tchmem::phase::step);
         match scaler.as_mut() {
             Some(s) => {
                 s.step(&mut opt);
             }
             None => opt.step(),
         }
+        mark(tchmem::phase::end);
         sync(device);
         phases.mark("step");
         times.push(start.elapsed().as_secs_f64());
         losses.push(total);
     }
     let stats = tchmem::cuda_stats::device_stats(0).ok();
+    let timeline = tchmem::timeline::finish().map(|c| {
+        serde_json::json!({
+            "snapshot": c.snapshot, "error": c.error, "steps": c.steps,
+        })
+    });
     let state_bytes = match &opt {
         Opt::Ours(o) => Some(o.state_bytes()),
         Opt::Tch(_) => None,
@@ -331,6 +360,8 @@ pub fn run(
         "losses": losses,
         "optimizer_state_bytes": state_bytes,
         "phases": phases.0,
+        "history": history,
+        "timeline": timeline,
     })
 }
 

@@ -182,8 +182,10 @@ impl GradScaler {
     }
 
     /// Unscales the gradients, steps the optimizer unless one of them is inf/nan, and updates
-    /// the scale. Returns whether the optimizer stepped.
+    /// the scale. Returns whether the optimizer stepped. Marks the optimizer step
+    /// ([`crate::phase::step`]; the caller marks its end).
     pub fn step(&mut self, opt: &mut impl Step) -> bool {
+        crate::phase::step();
         self.unscale();
         let found_inf = self.found_inf.take().expect("unscale sets found_inf");
         let stepped = found_inf.double_value(&[0]) == 0.0;

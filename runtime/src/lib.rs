@@ -14,6 +14,7 @@ mod nvml;
 pub mod oom;
 pub mod record;
 mod shared;
+pub mod timeline;
 mod watch;
 
 /// Asking the notebook's user for a line of text (Jupyter `input_request`).

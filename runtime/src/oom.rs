@@ -5,7 +5,7 @@
 
 use tchmem_wire::memory::OomEvent;
 
-#[cfg(tchmem_oom_observer)]
+#[cfg(tchmem_cuda_headers)]
 extern "C" {
     fn tchmem_attach_oom_observer(
         callback: extern "C" fn(i64, u64, u64, u64),
@@ -27,7 +27,7 @@ fn keep(events: &mut Vec<OomEvent>, event: OomEvent) {
 }
 
 /// Called by libtorch when the allocator gives up: only notes the event.
-#[cfg_attr(not(tchmem_oom_observer), allow(dead_code))]
+#[cfg_attr(not(tchmem_cuda_headers), allow(dead_code))]
 extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free: u64) {
     let mut events = crate::shared::shared()
         .oom_events
@@ -58,11 +58,11 @@ pub fn attach_observer() -> Result<(), String> {
             tch::Device::Cuda(crate::record::DEVICE as usize),
         ),
     ));
-    #[cfg(tchmem_oom_observer)]
+    #[cfg(tchmem_cuda_headers)]
     {
         crate::ffi::call(|err, len| unsafe { tchmem_attach_oom_observer(on_oom, err, len) })
     }
-    #[cfg(not(tchmem_oom_observer))]
+    #[cfg(not(tchmem_cuda_headers))]
     {
         Err("the runtime was built without CUDA headers (scripts/setup installs them)".into())
     }

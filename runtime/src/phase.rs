@@ -14,7 +14,8 @@ use tch::nn::Optimizer;
 use tch::{Device, Tensor};
 use tchmem_wire::memory::{Category, CategoryName};
 
-use crate::{cuda_stats, watch};
+use crate::{cuda_stats, timeline, watch};
+use tchmem_wire::timeline::Phase;
 
 /// What the markers measured.
 #[derive(Default)]
@@ -41,14 +42,21 @@ fn allocated() -> Option<u64> {
         .map(|s| s.current.allocated)
 }
 
+/// Marks the start of making or moving the input batch (only timelines use it).
+pub fn data() {
+    timeline::mark(Phase::Data);
+}
+
 /// Marks the start of the forward pass.
 pub fn forward() {
+    timeline::mark(Phase::Forward);
     phases().forward_start = allocated();
 }
 
 /// Marks the start of the backward pass (the loss is computed): what the forward pass left
 /// allocated is the activations (and the loss).
 pub fn backward() {
+    timeline::mark(Phase::Backward);
     let Some(now) = allocated() else { return };
     let mut phases = phases();
     let Some(start) = phases.forward_start.take() else {
@@ -78,16 +86,19 @@ pub fn backward() {
 
 /// Marks the optimizer step (after backward, before `opt.step()`).
 pub fn step() {
+    timeline::mark(Phase::Step);
     phases().step_start = allocated();
 }
 
 /// Marks the end of the optimizer step.
 pub fn end() {
-    let Some(now) = allocated() else { return };
-    let mut phases = phases();
-    if let Some(start) = phases.step_start.take() {
-        phases.optimizer_state = phases.optimizer_state.max(now.saturating_sub(start));
+    if let Some(now) = allocated() {
+        let mut phases = phases();
+        if let Some(start) = phases.step_start.take() {
+            phases.optimizer_state = phases.optimizer_state.max(now.saturating_sub(start));
+        }
     }
+    timeline::step_ended();
 }
 
 /// One training step with every marker in place: forward (`loss`), backward, optimizer step.

@@ -52,11 +52,15 @@ pub fn before_cell() {
 
 /// Ends a cell: the record of what it did.
 pub fn after_cell() -> MemoryRecord {
+    // First, so that the counters below include what the cell's last kernels freed.
+    let timeline = crate::timeline::finish();
     let before = self::before().take();
-    match cuda_stats::device_stats(DEVICE) {
+    let mut record = match cuda_stats::device_stats(DEVICE) {
         Ok(stats) => cuda_record(stats, before),
         Err(why) => cpu_record(why),
-    }
+    };
+    record.timeline = timeline;
+    record
 }
 
 /// What the session start measured on the device, before any cell ran.
@@ -69,7 +73,7 @@ pub struct AtStart {
     pub workspace: u64,
 }
 
-fn at_start() -> Option<AtStart> {
+pub(crate) fn at_start() -> Option<AtStart> {
     *crate::shared::shared()
         .at_start
         .lock()
@@ -193,6 +197,7 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         notes,
         recording_seconds: None,
         wall_seconds: None,
+        timeline: None,
     }
 }
 
@@ -253,6 +258,7 @@ fn cpu_record(why: String) -> MemoryRecord {
         )],
         recording_seconds: None,
         wall_seconds: None,
+        timeline: None,
     }
 }
 

@@ -28,6 +28,8 @@ pub struct Shared {
     pub at_start: Mutex<Option<crate::record::AtStart>>,
     /// What the OOM observer reported since the running cell began (see oom.rs).
     pub oom_events: Mutex<Vec<tchmem_wire::memory::OomEvent>>,
+    /// The allocation timeline being recorded (see timeline.rs).
+    pub timeline: Mutex<Option<crate::timeline::Active>>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -63,6 +65,7 @@ pub fn shared() -> &'static Shared {
                 phases: Mutex::new(Phases::default()),
                 at_start: Mutex::new(None),
                 oom_events: Mutex::new(Vec::new()),
+                timeline: Mutex::new(None),
             }))
         };
         let Some(slot) = child_slot() else {

@@ -75,6 +75,41 @@ pub fn known_bytes(device: Device) -> Known {
     known
 }
 
+/// The device blocks of the watched tensors on CUDA device `device` (for timelines, which tell
+/// the allocator's blocks apart by address).
+pub(crate) fn storages(device: i64) -> Vec<tchmem_wire::timeline::Storage> {
+    use tchmem_wire::memory::CategoryName;
+    use tchmem_wire::timeline::Storage;
+    let device = Device::Cuda(device as usize);
+    let mut watched = watched();
+    watched.stores.retain(|w| w.strong_count() > 0);
+    let mut found = Vec::new();
+    let mut add = |tensor: &Tensor, category| {
+        // Watched tensors are whole storages (a VarStore's variables, their gradients, a
+        // batch), so their data pointer is their block's address.
+        if tensor.defined() && tensor.device() == device {
+            found.push(Storage {
+                address: tensor.data_ptr() as u64,
+                bytes: tensor_bytes(tensor),
+                category,
+            });
+        }
+    };
+    for store in watched.stores.iter().filter_map(Weak::upgrade) {
+        let variables = store.lock().unwrap_or_else(|e| e.into_inner());
+        for tensor in variables.named_variables.values() {
+            add(tensor, CategoryName::Parameters);
+        }
+        for var in &variables.trainable_variables {
+            add(&var.tensor.grad(), CategoryName::Gradients);
+        }
+    }
+    if let Some(batch) = &watched.batch {
+        add(batch, CategoryName::InputBatch);
+    }
+    found
+}
+
 /// Bytes of `tensor` if it is on `device` and its storage was not counted yet.
 fn bytes_once(tensor: &Tensor, device: Device, seen: &mut HashSet<usize>) -> u64 {
     if !tensor.defined() || tensor.device() != device {

@@ -8,6 +8,7 @@
 pub mod compare;
 pub mod memory;
 mod slot;
+pub mod timeline;
 
 pub use slot::{ChildSlot, CHILD_SLOT_SYMBOL};
 
