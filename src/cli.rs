@@ -1,4 +1,4 @@
-//! Command line: `tchmem kernel | install | execute | prepare | chart`.
+//! Command line: `tchmem kernel | install | execute | prepare | chart | timeline`.
 
 use std::path::PathBuf;
 
@@ -62,6 +62,19 @@ enum Command {
         #[arg(long)]
         title: Option<String>,
     },
+    /// Draw an allocation timeline (a capture, application/vnd.tchmem.timeline+json, as a
+    /// file, with its snapshot pickle beside it or where it says) as the SVG the kernel shows
+    /// under a %%memprofile cell, and print it in words.
+    Timeline {
+        /// The capture, as JSON.
+        capture: PathBuf,
+        /// Where to write the SVG.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Also copy the snapshot (PyTorch's memory_viz pickle) to PATH.
+        #[arg(long, value_name = "PATH")]
+        snapshot: Option<PathBuf>,
+    },
 }
 
 /// Options shared by the commands that run cells.
@@ -98,6 +111,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             output,
             title,
         } => chart(&record, &output, title.as_deref()),
+        Command::Timeline {
+            capture,
+            output,
+            snapshot,
+        } => timeline(&capture, output.as_deref(), snapshot.as_deref()),
         Command::Execute {
             notebook,
             output,
@@ -163,6 +181,54 @@ fn chart(
         .with_context(|| format!("{} is not a tchmem memory record", record.display()))?;
     let svg = crate::report::chart_svg(&record, title).map_err(|e| anyhow::anyhow!(e))?;
     std::fs::write(output, svg).with_context(|| format!("cannot write {}", output.display()))?;
+    Ok(())
+}
+
+fn timeline(
+    capture_path: &std::path::Path,
+    output: Option<&std::path::Path>,
+    snapshot: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(capture_path)
+        .with_context(|| format!("cannot read {}", capture_path.display()))?;
+    let mut capture: tchmem_wire::timeline::TimelineCapture = serde_json::from_str(&text)
+        .with_context(|| {
+            format!(
+                "{} is not a tchmem timeline capture",
+                capture_path.display()
+            )
+        })?;
+    // A capture moved from the machine that recorded it: its pickle sits beside it.
+    if !std::path::Path::new(&capture.snapshot).exists() {
+        capture.snapshot = capture_path.with_extension("pickle").display().to_string();
+    }
+    let started = std::time::Instant::now();
+    let snapshot_data = crate::timeline::snapshot::read(&capture.snapshot)?;
+    let read = started.elapsed().as_secs_f64();
+    let timeline = crate::timeline::model::build(snapshot_data, &capture);
+    let sources = crate::timeline::sites::CellSources::default();
+    let title = format!("allocation timeline ({})", capture_path.display());
+    let svg = crate::report::timeline::svg(&timeline, &sources, &title)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let drawn = started.elapsed().as_secs_f64() - read;
+    eprintln!(
+        "{} trace entries: pickle read in {read:.3} s, timeline built and drawn in {drawn:.3} s \
+         as {} bytes of SVG",
+        timeline.entries.len(),
+        svg.len()
+    );
+    print!(
+        "{}",
+        crate::report::timeline::text(&timeline, &sources, &title)
+    );
+    if let Some(output) = output {
+        std::fs::write(output, svg)
+            .with_context(|| format!("cannot write {}", output.display()))?;
+    }
+    if let Some(path) = snapshot {
+        std::fs::copy(&capture.snapshot, path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     Ok(())
 }
 

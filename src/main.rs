@@ -17,6 +17,7 @@ mod notebook;
 mod parse_thread;
 mod report;
 mod rewrite;
+mod timeline;
 
 use clap::Parser;
 

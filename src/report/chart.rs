@@ -6,7 +6,7 @@ use tchmem_wire::memory::{category_bytes, Category, CategoryName};
 use super::format::human_bytes;
 
 /// Colour of each category, the same in every chart.
-fn colour(name: CategoryName) -> RGBColor {
+pub(super) fn colour(name: CategoryName) -> RGBColor {
     match name {
         CategoryName::Parameters => RGBColor(66, 133, 244),
         CategoryName::Gradients => RGBColor(52, 168, 83),

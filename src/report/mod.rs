@@ -4,6 +4,7 @@
 mod chart;
 pub mod compare;
 pub mod format;
+pub mod timeline;
 
 use serde_json::{Map, Value};
 use tchmem_wire::memory::MemoryRecord;
@@ -294,6 +295,16 @@ pub fn summary_display(last: Option<(usize, &MemoryRecord)>) -> Display {
     }
 }
 
+/// A display of plain text only.
+pub fn text_display(text: String) -> Display {
+    let mut data = Map::new();
+    data.insert("text/plain".into(), Value::String(text));
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
 pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -341,6 +352,7 @@ mod tests {
             notes: vec![],
             recording_seconds: None,
             wall_seconds: None,
+            timeline: None,
         }
     }
 
