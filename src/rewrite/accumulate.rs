@@ -266,7 +266,8 @@ pub(crate) fn builds_model(stmts: &[Stmt]) -> Option<(String, usize)> {
 
 /// What replaces the span: `opt.zero_grad();` and the micro-batch loop that binds the loss.
 /// `body` is the span (already under autocast if mixed precision is on); with a grad scaler,
-/// the backward pass is scaled.
+/// the backward pass is scaled. Each micro-batch's forward and backward pass is marked
+/// (`tchmem::phase`; see `phases`).
 pub(crate) fn micro_batches(
     k: u32,
     batch: &[Ident],
@@ -299,8 +300,10 @@ pub(crate) fn micro_batches(
         let #loss_pattern = {
             let mut #accumulated: Option<tch::Tensor> = None;
             for (#weight, [#(ref #batch),*]) in tchmem::accumulate::split(#k, [#(&#batch),*]) {
+                tchmem::phase::forward();
                 #(#body)*
                 let #scaled = &#loss * #weight;
+                tchmem::phase::backward();
                 #backward
                 let #part = #scaled.detach();
                 #accumulated = Some(match #accumulated {

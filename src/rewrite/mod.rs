@@ -20,6 +20,7 @@ mod change;
 mod checkpoint;
 mod compare;
 mod optimizer;
+mod phases;
 mod span;
 mod step;
 mod syntax;
@@ -197,6 +198,9 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
     let mut block = cell.block.clone();
     let mut names = syntax::Names::of(&block);
     let present = syntax::tchmem_modules(&block);
+    let step_line = step::the_step(&tree::Tree::of(&block), "%%optimize")
+        .ok()
+        .map(|s| s.line);
     let mut changes = Vec::new();
     let skip = |module: &str, flag: &str, changes: &mut Vec<Change>| -> bool {
         let found = present.contains(module);
@@ -235,6 +239,9 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
         .filter(|_| !skip("accumulate", "--accumulate", &mut changes));
     if amp.is_some() || accumulate.is_some() {
         training::apply(&mut block, amp, accumulate, &mut names, &mut changes)?;
+    }
+    if !present.contains("phase") {
+        phases::mark(&mut block, step_line, &mut names, &mut changes)?;
     }
 
     let header = format!("%%optimize {}: rewritten by tchmem", options.flags());

@@ -1,4 +1,5 @@
 // change: lines 28–29: --accumulate 4: the batch (bx, by) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 31: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --accumulate 4: rewritten by tchmem
 // Comments inside the rewritten statements (at line 23 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{ModuleT, OptimizerConfig};
@@ -33,9 +34,11 @@ for epoch in 0..10 {
                 4,
                 [&bx, &by],
             ) {
+                tchmem::phase::forward();
                 let pred = net.forward_t(&bx, true);
                 let loss = pred.mse_loss(&by, tch::Reduction::Mean);
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -47,7 +50,9 @@ for epoch in 0..10 {
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
     }
     let test = net.forward_t(&xs, false).mse_loss(&ys, tch::Reduction::Mean);
     println!("epoch {epoch}: test mse {:.5}", test.double_value(& []));

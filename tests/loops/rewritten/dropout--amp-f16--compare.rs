@@ -27,6 +27,7 @@ let ys = xs.sum_dim_intlist(1, true, Kind::Float).tanh();
 'tchmem_train: for epoch in 0..10 {
     let mut batches = tch::data::Iter2::new(&xs, &ys, 128);
     for (bx, by) in batches.shuffle() {
+        tchmem::phase::forward();
         let loss = tchmem::amp::autocast_on(
             (&vs).device(),
             tch::Kind::Half,
@@ -36,7 +37,9 @@ let ys = xs.sum_dim_intlist(1, true, Kind::Float).tanh();
                 loss
             },
         );
+        tchmem::phase::backward();
         grad_scaler.backward_step(&mut opt, &loss);
+        tchmem::phase::end();
         if tchmem::compare::record_step(&loss) {
             break 'tchmem_train;
         }

@@ -2,6 +2,7 @@
 // change: line 19: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 28–29: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 31: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
+// change: line 31: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp f16: rewritten by tchmem
 // Comments inside the rewritten statements (at line 23 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{ModuleT, OptimizerConfig};
@@ -30,6 +31,7 @@ let ys = xs.sum_dim_intlist(1, true, Kind::Float).tanh();
 for epoch in 0..10 {
     let mut batches = tch::data::Iter2::new(&xs, &ys, 128);
     for (bx, by) in batches.shuffle() {
+        tchmem::phase::forward();
         let loss = tchmem::amp::autocast_on(
             (&vs).device(),
             tch::Kind::Half,
@@ -39,7 +41,9 @@ for epoch in 0..10 {
                 loss
             },
         );
+        tchmem::phase::backward();
         grad_scaler.backward_step(&mut opt, &loss);
+        tchmem::phase::end();
     }
     let test = net.forward_t(&xs, false).mse_loss(&ys, tch::Reduction::Mean);
     println!("epoch {epoch}: test mse {:.5}", test.double_value(& []));

@@ -1,5 +1,7 @@
 // change: line 7: --checkpoint: nn::seq_t() → tchmem::checkpoint::seq_t() (2 segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 31: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint 2: rewritten by tchmem
+// Comments inside the rewritten statements (at line 23 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -27,12 +29,15 @@ for epoch in 0..10 {
     let mut batches = tch::data::Iter2::new(&xs, &ys, 128);
     for (bx, by) in batches.shuffle() {
         opt.zero_grad();
-        /* regression: predict tanh of the sum */
+        tchmem::phase::forward();
         let pred = net.forward_t(&bx, true);
         let loss = pred.mse_loss(&by, tch::Reduction::Mean);
+        tchmem::phase::backward();
         loss.backward();
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
     }
     let test = net.forward_t(&xs, false).mse_loss(&ys, tch::Reduction::Mean);
-    println!("epoch {epoch}: test mse {:.5}", test.double_value(&[]));
+    println!("epoch {epoch}: test mse {:.5}", test.double_value(& []));
 }

@@ -4,6 +4,7 @@
 // change: lines 28–29: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 28–29: --accumulate 2: the batch (bx, by) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
 // change: line 31: --amp f16: grad_scaler.step(&mut opt) replaces the step: it unscales the accumulated gradients and skips the step when they overflow
+// change: line 31: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint --amp f16 --accumulate 2 --optimizer adamw8bit: rewritten by tchmem
 // Comments inside the rewritten statements (at line 23 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{ModuleT, OptimizerConfig};
@@ -35,6 +36,7 @@ for epoch in 0..10 {
                 2,
                 [&bx, &by],
             ) {
+                tchmem::phase::forward();
                 let loss = tchmem::amp::autocast_on(
                     (&vs).device(),
                     tch::Kind::Half,
@@ -45,6 +47,7 @@ for epoch in 0..10 {
                     },
                 );
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 grad_scaler.scale(&scaled).backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -56,7 +59,9 @@ for epoch in 0..10 {
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         grad_scaler.step(&mut opt);
+        tchmem::phase::end();
     }
     let test = net.forward_t(&xs, false).mse_loss(&ys, tch::Reduction::Mean);
     println!("epoch {epoch}: test mse {:.5}", test.double_value(& []));

@@ -1,4 +1,5 @@
 // change: lines 32–34: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 35: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --accumulate 4: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -38,10 +39,12 @@ for epoch in 0..3 {
                 4,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let features = model.forward(&xs);
                 let logits = head.forward(&features);
                 let loss = logits.cross_entropy_for_logits(&ys);
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -54,7 +57,9 @@ for epoch in 0..3 {
             accumulated.expect("an empty batch")
         };
         opt.clip_grad_norm(1.0);
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
         if i % 8 == 0 {
             println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
         }

@@ -1,4 +1,5 @@
 // change: lines 32–34: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: line 35: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp bf16: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -31,6 +32,7 @@ for epoch in 0..3 {
     for (i, (xs, ys)) in batches.iter().enumerate() {
         let xs = xs.to_device(device);
         let ys = ys.to_device(device);
+        tchmem::phase::forward();
         let loss = tchmem::amp::autocast_on(
             (&vs).device(),
             tch::Kind::BFloat16,
@@ -41,7 +43,13 @@ for epoch in 0..3 {
                 loss
             },
         );
-        opt.backward_step_clip_norm(&loss, 1.0);
+        tchmem::phase::backward();
+        opt.zero_grad();
+        loss.backward();
+        opt.clip_grad_norm(1.0);
+        tchmem::phase::step();
+        opt.step();
+        tchmem::phase::end();
         if i % 8 == 0 {
             println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
         }

@@ -2,6 +2,7 @@
 // change: line 18: --optimizer adafactor: nn::Sgd → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); the settings given to nn::Sgd are not carried over: tchmem::optim::Adafactor's defaults apply; same learning rate
 // change: lines 32–34: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 32–34: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 35: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint 3 --amp bf16 --accumulate 2 --optimizer adafactor: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -37,6 +38,7 @@ for epoch in 0..3 {
                 2,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let loss = tchmem::amp::autocast_on(
                     (&vs).device(),
                     tch::Kind::BFloat16,
@@ -48,6 +50,7 @@ for epoch in 0..3 {
                     },
                 );
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -60,7 +63,9 @@ for epoch in 0..3 {
             accumulated.expect("an empty batch")
         };
         opt.clip_grad_norm(1.0);
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
         if i % 8 == 0 {
             println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
         }

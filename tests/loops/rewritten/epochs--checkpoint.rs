@@ -1,4 +1,5 @@
 // change: line 7: --checkpoint: nn::seq() → tchmem::checkpoint::seq() (√layers segments): activations inside each segment are recomputed in the backward pass instead of being kept
+// change: line 35: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -31,12 +32,19 @@ for epoch in 0..3 {
     for (i, (xs, ys)) in batches.iter().enumerate() {
         let xs = xs.to_device(device);
         let ys = ys.to_device(device);
+        tchmem::phase::forward();
         let features = model.forward(&xs);
         let logits = head.forward(&features);
         let loss = logits.cross_entropy_for_logits(&ys);
-        opt.backward_step_clip_norm(&loss, 1.0);
+        tchmem::phase::backward();
+        opt.zero_grad();
+        loss.backward();
+        opt.clip_grad_norm(1.0);
+        tchmem::phase::step();
+        opt.step();
+        tchmem::phase::end();
         if i % 8 == 0 {
-            println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(&[]));
+            println!("epoch {epoch} batch {i}: loss {:.4}", loss.double_value(& []));
         }
     }
 }

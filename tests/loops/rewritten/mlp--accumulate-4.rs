@@ -1,4 +1,5 @@
 // change: lines 21–22: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --accumulate 4: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
@@ -28,9 +29,11 @@ for epoch in 1..=5 {
                 4,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let logits = model.forward(xs);
                 let loss = logits.cross_entropy_for_logits(ys);
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -42,7 +45,9 @@ for epoch in 1..=5 {
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

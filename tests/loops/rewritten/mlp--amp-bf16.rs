@@ -1,5 +1,6 @@
 // change: line 14: --amp bf16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: lines 21–22: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp bf16: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
@@ -22,6 +23,7 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
 for epoch in 1..=5 {
     let mut total = 0.0;
     for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
+        tchmem::phase::forward();
         let loss = tchmem::amp::autocast_on(
             (&vs).device(),
             tch::Kind::BFloat16,
@@ -31,7 +33,12 @@ for epoch in 1..=5 {
                 loss
             },
         );
-        opt.backward_step(&loss);
+        tchmem::phase::backward();
+        opt.zero_grad();
+        loss.backward();
+        tchmem::phase::step();
+        opt.step();
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

@@ -3,6 +3,7 @@
 // change: lines 21–22: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 21–22: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
 // change: line 23: --amp f16: grad_scaler.step(&mut opt) replaces the step: it unscales the accumulated gradients and skips the step when they overflow
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp f16 --accumulate 2: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
@@ -33,6 +34,7 @@ for epoch in 1..=5 {
                 2,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let loss = tchmem::amp::autocast_on(
                     (&vs).device(),
                     tch::Kind::Half,
@@ -43,6 +45,7 @@ for epoch in 1..=5 {
                     },
                 );
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 grad_scaler.scale(&scaled).backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -54,7 +57,9 @@ for epoch in 1..=5 {
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         grad_scaler.step(&mut opt);
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

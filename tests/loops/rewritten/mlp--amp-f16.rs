@@ -2,6 +2,7 @@
 // change: line 14: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 21–22: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 23: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp f16: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
@@ -25,6 +26,7 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
 for epoch in 1..=5 {
     let mut total = 0.0;
     for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
+        tchmem::phase::forward();
         let loss = tchmem::amp::autocast_on(
             (&vs).device(),
             tch::Kind::Half,
@@ -34,7 +36,9 @@ for epoch in 1..=5 {
                 loss
             },
         );
+        tchmem::phase::backward();
         grad_scaler.backward_step(&mut opt, &loss);
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

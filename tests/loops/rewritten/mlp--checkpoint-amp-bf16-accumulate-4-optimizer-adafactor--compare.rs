@@ -28,6 +28,7 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
                 4,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let loss = tchmem::amp::autocast_on(
                     (&vs).device(),
                     tch::Kind::BFloat16,
@@ -38,6 +39,7 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
                     },
                 );
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -49,7 +51,9 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
         total += loss.double_value(&[]);
         if tchmem::compare::record_step(&loss) {
             break 'tchmem_train;

@@ -2,6 +2,7 @@
 // change: line 14: --optimizer adafactor: nn::Adam → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); same learning rate
 // change: lines 21–22: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 21–22: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint --amp bf16 --accumulate 4 --optimizer adafactor: rewritten by tchmem
 // Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
@@ -31,6 +32,7 @@ for epoch in 1..=5 {
                 4,
                 [&xs, &ys],
             ) {
+                tchmem::phase::forward();
                 let loss = tchmem::amp::autocast_on(
                     (&vs).device(),
                     tch::Kind::BFloat16,
@@ -41,6 +43,7 @@ for epoch in 1..=5 {
                     },
                 );
                 let scaled = &loss * weight;
+                tchmem::phase::backward();
                 scaled.backward();
                 let part = scaled.detach();
                 accumulated = Some(
@@ -52,7 +55,9 @@ for epoch in 1..=5 {
             }
             accumulated.expect("an empty batch")
         };
+        tchmem::phase::step();
         opt.step();
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

@@ -1,5 +1,7 @@
 // change: line 14: --optimizer lion: nn::Adam → tchmem::optim::Lion (one f32 momentum per parameter, Adam keeps two); learning rate divided by 3 (see the comment in the code)
+// change: line 23: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --optimizer lion: rewritten by tchmem
+// Comments inside the rewritten statements (at line 18 of the cell) were dropped: the printer cannot keep them.
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -22,9 +24,15 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
 for epoch in 1..=5 {
     let mut total = 0.0;
     for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
+        tchmem::phase::forward();
         let logits = model.forward(xs);
         let loss = logits.cross_entropy_for_logits(ys);
-        opt.backward_step(&loss); // zero_grad, backward, step
+        tchmem::phase::backward();
+        opt.zero_grad();
+        loss.backward();
+        tchmem::phase::step();
+        opt.step();
+        tchmem::phase::end();
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 32.0);

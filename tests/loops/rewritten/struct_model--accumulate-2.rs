@@ -1,4 +1,5 @@
 // change: line 48: --accumulate 2: the batch (xs, ys) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 49: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --accumulate 2: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -51,8 +52,10 @@ for step in 0..200 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs, ref ys]) in tchmem::accumulate::split(2, [&xs, &ys]) {
+            tchmem::phase::forward();
             let loss = net.forward(&xs).cross_entropy_for_logits(&ys);
             let scaled = &loss * weight;
+            tchmem::phase::backward();
             scaled.backward();
             let part = scaled.detach();
             accumulated = Some(
@@ -64,7 +67,9 @@ for step in 0..200 {
         }
         accumulated.expect("an empty batch")
     };
+    tchmem::phase::step();
     opt.step();
+    tchmem::phase::end();
     if step % 50 == 0 {
         println!("step {step}: loss {:.4}", loss.double_value(& []));
     }

@@ -1,6 +1,7 @@
 // change: line 41: --optimizer lion: nn::adam → tchmem::optim::Lion (one f32 momentum per parameter, Adam keeps two); the settings given to nn::adam are not carried over: tchmem::optim::Lion's defaults apply; learning rate divided by 3 (see the comment in the code)
 // change: line 48: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 48: --accumulate 4: the batch (xs, ys) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 49: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // change: --optimizer lion: 1 type annotation nn::Optimizer → tchmem::optim::Optimizer
 // %%optimize --amp bf16 --accumulate 4 --optimizer lion: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
@@ -58,6 +59,7 @@ for step in 0..200 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs, ref ys]) in tchmem::accumulate::split(4, [&xs, &ys]) {
+            tchmem::phase::forward();
             let loss = tchmem::amp::autocast_on(
                 (&vs).device(),
                 tch::Kind::BFloat16,
@@ -67,6 +69,7 @@ for step in 0..200 {
                 },
             );
             let scaled = &loss * weight;
+            tchmem::phase::backward();
             scaled.backward();
             let part = scaled.detach();
             accumulated = Some(
@@ -78,7 +81,9 @@ for step in 0..200 {
         }
         accumulated.expect("an empty batch")
     };
+    tchmem::phase::step();
     opt.step();
+    tchmem::phase::end();
     if step % 50 == 0 {
         println!("step {step}: loss {:.4}", loss.double_value(& []));
     }

@@ -1,5 +1,6 @@
 // change: line 41: --amp bf16: nn::Adam → tchmem::optim::Adam::from(…): the same update and settings on torch's fused kernel (tch's launches several kernels per parameter, a visible share of a mixed-precision step)
 // change: line 48: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: line 49: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp bf16: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -52,6 +53,7 @@ for step in 0..200 {
     let idx = Tensor::randint(2048, [64], (Kind::Int64, device));
     let xs = images.index_select(0, &idx);
     let ys = labels.index_select(0, &idx);
+    tchmem::phase::forward();
     let loss = tchmem::amp::autocast_on(
         (&vs).device(),
         tch::Kind::BFloat16,
@@ -60,7 +62,12 @@ for step in 0..200 {
             loss
         },
     );
-    opt.backward_step(&loss);
+    tchmem::phase::backward();
+    opt.zero_grad();
+    loss.backward();
+    tchmem::phase::step();
+    opt.step();
+    tchmem::phase::end();
     if step % 50 == 0 {
         println!("step {step}: loss {:.4}", loss.double_value(& []));
     }

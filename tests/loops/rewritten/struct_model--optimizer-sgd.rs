@@ -1,4 +1,5 @@
 // change: line 41: --optimizer sgd: nn::adam → tchmem::optim::Sgd (momentum 0.9: one f32 state tensor per parameter, Adam keeps two); the settings given to nn::adam are not carried over: tchmem::optim::Sgd's defaults apply; same learning rate (SGD often wants a larger one than Adam: tune it)
+// change: line 49: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // change: --optimizer sgd: 1 type annotation nn::Optimizer → tchmem::optim::Optimizer
 // %%optimize --optimizer sgd: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
@@ -50,9 +51,15 @@ for step in 0..200 {
     let idx = Tensor::randint(2048, [64], (Kind::Int64, device));
     let xs = images.index_select(0, &idx);
     let ys = labels.index_select(0, &idx);
+    tchmem::phase::forward();
     let loss = net.forward(&xs).cross_entropy_for_logits(&ys);
-    opt.backward_step(&loss);
+    tchmem::phase::backward();
+    opt.zero_grad();
+    loss.backward();
+    tchmem::phase::step();
+    opt.step();
+    tchmem::phase::end();
     if step % 50 == 0 {
-        println!("step {step}: loss {:.4}", loss.double_value(&[]));
+        println!("step {step}: loss {:.4}", loss.double_value(& []));
     }
 }

@@ -1,4 +1,5 @@
 // change: lines 15–16: --accumulate 2: the batch (xs) runs as 2 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
+// change: line 19: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --accumulate 2: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -18,9 +19,11 @@ while step < 300 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs]) in tchmem::accumulate::split(2, [&xs]) {
+            tchmem::phase::forward();
             let code = xs.apply(&encoder);
             let loss = decoder.forward(&code).mse_loss(&xs, tch::Reduction::Mean);
             let scaled = &loss * weight;
+            tchmem::phase::backward();
             scaled.backward();
             let part = scaled.detach();
             accumulated = Some(
@@ -32,7 +35,9 @@ while step < 300 {
         }
         accumulated.expect("an empty batch")
     };
+    tchmem::phase::step();
     opt.step();
+    tchmem::phase::end();
     step += 1;
 }
 let reconstruction = decoder.forward(&data.apply(&encoder));

@@ -19,6 +19,7 @@ let mut step = 0;
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs]) in tchmem::accumulate::split(2, [&xs]) {
+            tchmem::phase::forward();
             let loss = tchmem::amp::autocast_on(
                 (&vs).device(),
                 tch::Kind::Half,
@@ -31,6 +32,7 @@ let mut step = 0;
                 },
             );
             let scaled = &loss * weight;
+            tchmem::phase::backward();
             grad_scaler.scale(&scaled).backward();
             let part = scaled.detach();
             accumulated = Some(
@@ -42,7 +44,9 @@ let mut step = 0;
         }
         accumulated.expect("an empty batch")
     };
+    tchmem::phase::step();
     grad_scaler.step(&mut opt);
+    tchmem::phase::end();
     step += 1;
     if tchmem::compare::record_step(&loss) {
         break 'tchmem_train;

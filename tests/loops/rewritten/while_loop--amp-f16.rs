@@ -1,6 +1,7 @@
 // change: line 10: --amp f16: a tchmem::amp::GradScaler (`grad_scaler`) is created after the optimizer `opt`
 // change: lines 15–16: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: line 19: --amp f16: grad_scaler.backward_step(&mut opt, &loss) replaces the step: it scales the loss so that f16 gradients do not underflow, unscales them, and skips the step when they overflow
+// change: line 19: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --amp f16: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -17,6 +18,7 @@ let data = Tensor::randn([1024, 128], (Kind::Float, device));
 let mut step = 0;
 while step < 300 {
     let xs = data.narrow(0, (step % 16) * 64, 64);
+    tchmem::phase::forward();
     let loss = tchmem::amp::autocast_on(
         (&vs).device(),
         tch::Kind::Half,
@@ -26,7 +28,9 @@ while step < 300 {
             loss
         },
     );
+    tchmem::phase::backward();
     grad_scaler.backward_step(&mut opt, &loss);
+    tchmem::phase::end();
     step += 1;
 }
 let reconstruction = decoder.forward(&data.apply(&encoder));

@@ -4,6 +4,7 @@
 // change: lines 15–16: --amp f16: the forward pass and loss run under tchmem::amp::autocast(Half): matmuls and convolutions compute in f16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
 // change: lines 15–16: --accumulate 4: the batch (xs) runs as 4 micro-batches (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by its share of the batch, so the gradients add up to the whole batch's, and the optimizer steps once per batch; `loss` is the whole batch's loss, as before
 // change: line 19: --amp f16: grad_scaler.step(&mut opt) replaces the step: it unscales the accumulated gradients and skips the step when they overflow
+// change: line 19: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --checkpoint --amp f16 --accumulate 4 --optimizer sgd: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -24,6 +25,7 @@ while step < 300 {
     let loss = {
         let mut accumulated: Option<tch::Tensor> = None;
         for (weight, [ref xs]) in tchmem::accumulate::split(4, [&xs]) {
+            tchmem::phase::forward();
             let loss = tchmem::amp::autocast_on(
                 (&vs).device(),
                 tch::Kind::Half,
@@ -36,6 +38,7 @@ while step < 300 {
                 },
             );
             let scaled = &loss * weight;
+            tchmem::phase::backward();
             grad_scaler.scale(&scaled).backward();
             let part = scaled.detach();
             accumulated = Some(
@@ -47,7 +50,9 @@ while step < 300 {
         }
         accumulated.expect("an empty batch")
     };
+    tchmem::phase::step();
     grad_scaler.step(&mut opt);
+    tchmem::phase::end();
     step += 1;
 }
 let reconstruction = decoder.forward(&data.apply(&encoder));

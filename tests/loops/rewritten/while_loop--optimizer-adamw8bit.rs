@@ -1,4 +1,5 @@
 // change: line 10: --optimizer adamw8bit: nn::RmsProp → tchmem::optim::AdamW8bit (8-bit moments: about a quarter of Adam's state); same learning rate
+// change: line 19: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // %%optimize --optimizer adamw8bit: rewritten by tchmem
 use tch::nn::{Module, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
@@ -14,11 +15,15 @@ let data = Tensor::randn([1024, 128], (Kind::Float, device));
 let mut step = 0;
 while step < 300 {
     let xs = data.narrow(0, (step % 16) * 64, 64);
+    tchmem::phase::forward();
     let code = xs.apply(&encoder);
     let loss = decoder.forward(&code).mse_loss(&xs, tch::Reduction::Mean);
     opt.zero_grad();
+    tchmem::phase::backward();
     loss.backward();
+    tchmem::phase::step();
     opt.step();
+    tchmem::phase::end();
     step += 1;
 }
 let reconstruction = decoder.forward(&data.apply(&encoder));
