@@ -68,33 +68,49 @@ pub fn read(cell: &str) -> Syntax {
     .unwrap_or(Syntax::Unknown)
 }
 
-/// A `let` at the top of a cell that binds a name to a new `VarStore`.
+/// A `let` in a cell that binds a name to a new `VarStore`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VarStoreBinding {
     /// The variable's name.
     pub name: String,
+    /// Whether the `let` is at the top of the cell (the variable outlives the cell), not inside
+    /// a block, loop or function of it.
+    pub top_level: bool,
     /// The cell line (0-based) of the statement's closing `;`.
     pub line: usize,
     /// The character column just after that `;`.
     pub column: usize,
 }
 
-/// The cell's top-level `let`s that certainly bind a `VarStore`: `let vs = nn::VarStore::new(…);`
-/// or `let vs: nn::VarStore = …;` (any path ending in `VarStore`). Read from the syntax alone,
-/// before the cell compiles; a store made any other way is found after the cell ran.
+/// The cell's `let`s that certainly bind a `VarStore`: `let vs = nn::VarStore::new(…);` or `let
+/// vs: nn::VarStore = …;` (any path ending in `VarStore`), at the top of the cell or nested in
+/// its blocks, loops and functions. Read from the syntax alone, before the cell compiles; a
+/// store made any other way is found after the cell ran (if it is a variable of the session).
 pub fn var_store_bindings(cell: &str) -> Vec<VarStoreBinding> {
     with_block(cell, |parsed, _| {
         let Ok(block) = parsed else {
             return Vec::new();
         };
-        block
-            .stmts
-            .iter()
-            .filter_map(|stmt| match stmt {
-                Stmt::Local(local) => var_store_let(local),
-                _ => None,
-            })
-            .collect()
+        struct Lets(Vec<VarStoreBinding>, usize);
+        impl<'ast> syn::visit::Visit<'ast> for Lets {
+            fn visit_block(&mut self, block: &'ast Block) {
+                self.1 += 1;
+                syn::visit::visit_block(self, block);
+                self.1 -= 1;
+            }
+            fn visit_local(&mut self, local: &'ast syn::Local) {
+                if let Some(mut binding) = var_store_let(local) {
+                    binding.top_level = self.1 == 0;
+                    self.0.push(binding);
+                }
+                syn::visit::visit_local(self, local);
+            }
+        }
+        let mut lets = Lets(Vec::new(), 0);
+        for stmt in &block.stmts {
+            syn::visit::Visit::visit_stmt(&mut lets, stmt);
+        }
+        lets.0
     })
     .unwrap_or_default()
 }
@@ -117,6 +133,7 @@ fn var_store_let(local: &syn::Local) -> Option<VarStoreBinding> {
     // Lines in the parsed text start with the opening brace's line (see `with_block`).
     Some(VarStoreBinding {
         name: ident.ident.to_string(),
+        top_level: true,
         line: end.line.checked_sub(2)?,
         column: end.column,
     })
@@ -157,7 +174,13 @@ fn with_block<T: Send + 'static>(
 /// The cell's Rust code, with the lines that are not Rust blanked (so that line numbers stay).
 fn rust_part(cell: &str) -> String {
     let code = match magics::cell_magic(cell) {
-        Some(source) => source.body,
+        // `%%memprofile` may stand above `%%optimize`: the body of the innermost.
+        Some(mut source) => {
+            while let Some(inner) = magics::cell_magic(source.body) {
+                source = inner;
+            }
+            source.body
+        }
         None => magics::split(cell).1,
     };
     let mut lines = Vec::new();
@@ -277,6 +300,10 @@ mod tests {
             Valid(Tail::Value)
         );
         assert_eq!(read("%%optimize --help"), Valid(Tail::Statement));
+        assert_eq!(
+            read("%%memprofile --steps 2\n%%optimize --checkpoint\nlet x = 1;\nx"),
+            Valid(Tail::Value)
+        );
         // Commands after Rust code are not commands (evcxr hands them to the compiler).
         assert_eq!(read("let x = 1;\n:vars"), Invalid);
     }

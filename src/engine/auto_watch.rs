@@ -5,8 +5,9 @@
 
 use crate::cell_syntax;
 
-/// `code` with a watch call after each top-level `let` that makes a VarStore, and the names
-/// watched that way.
+/// `code` with a watch call after each `let` that makes a VarStore (nested ones too: a store
+/// made inside a block is watched while it lives), and the names of the session's variables
+/// (top-level `let`s) watched that way.
 pub fn watch_where_made(code: &str) -> (String, Vec<String>) {
     let mut bindings = cell_syntax::var_store_bindings(code);
     if bindings.is_empty() {
@@ -25,7 +26,9 @@ pub fn watch_where_made(code: &str) -> (String, Vec<String>) {
             .nth(binding.column)
             .map_or(line.len(), |(byte, _)| byte);
         line.insert_str(at, &format!(" tchmem::watch(&{});", binding.name));
-        names.push(binding.name);
+        if binding.top_level {
+            names.push(binding.name);
+        }
     }
     (lines.join("\n"), names)
 }
@@ -58,10 +61,26 @@ mod tests {
     fn cells_without_a_new_store_are_left_as_they_are() {
         for code in [
             "let x = 1;",
-            "fn f() { let vs = nn::VarStore::new(d); }",
             "let x = ;",
+            "let other = f(nn::VarStore::new(d));",
         ] {
             assert_eq!(watch_where_made(code), (code.to_string(), Vec::new()));
         }
+    }
+
+    #[test]
+    fn a_store_made_in_a_block_or_function_is_watched_there_but_is_no_session_variable() {
+        let code =
+            "{\n    let vs = nn::VarStore::new(d);\n}\nfn f() { let s = nn::VarStore::new(d); }";
+        let (watched, names) = watch_where_made(code);
+        assert!(names.is_empty());
+        assert!(
+            watched.contains("let vs = nn::VarStore::new(d); tchmem::watch(&vs);"),
+            "{watched}"
+        );
+        assert!(
+            watched.contains("let s = nn::VarStore::new(d); tchmem::watch(&s); }"),
+            "{watched}"
+        );
     }
 }

@@ -21,6 +21,8 @@ const LEVELS: [&str; 6] = ["0", "1", "2", "3", "s", "z"];
 pub struct CellOpt {
     config: PathBuf,
     level: String,
+    /// Cells keep line tables (for `%%memprofile --stacks`, whose frames then name cell lines).
+    line_tables: bool,
 }
 
 impl CellOpt {
@@ -31,6 +33,7 @@ impl CellOpt {
         let cell_opt = CellOpt {
             config: root.join(".cargo").join("config.toml"),
             level: DEFAULT_LEVEL.to_string(),
+            line_tables: false,
         };
         cell_opt.write()?;
         Ok(cell_opt)
@@ -44,10 +47,26 @@ impl CellOpt {
                 "# Written by tchmem (src/engine/cell_opt.rs): the optimisation level of cells'\n\
                  # own code (evcxr's crate `ctx`); their dependencies keep evcxr's level. `:opt N`\n\
                  # in a cell changes it.\n\
-                 [profile.dev.package.ctx]\nopt-level = {}\n",
-                toml_level(&self.level)
+                 [profile.dev.package.ctx]\nopt-level = {}\n{}",
+                toml_level(&self.level),
+                if self.line_tables {
+                    // evcxr strips debug info from the whole profile; the cell crate keeps it.
+                    "debug = \"line-tables-only\"\nstrip = \"none\"\n"
+                } else {
+                    ""
+                }
             ),
         )
+    }
+
+    /// Builds the next cells with line tables (or without, the default: linking them costs
+    /// time, since the standard library's come along).
+    pub fn set_line_tables(&mut self, on: bool) -> std::io::Result<()> {
+        if self.line_tables == on {
+            return Ok(());
+        }
+        self.line_tables = on;
+        self.write()
     }
 
     /// Answers the `:opt` commands among the evcxr command lines at the top of `code` (`:opt N`
@@ -140,6 +159,13 @@ mod tests {
         assert!(said[0].is_ok());
         let (_, said) = cell_opt.take_commands(":opt fast");
         assert!(said[0].as_ref().unwrap_err().contains("0, 1, 2, 3, s, z"));
+        cell_opt.set_line_tables(true).unwrap();
+        let text = std::fs::read_to_string(&config).unwrap();
+        assert!(
+            text.contains("opt-level = \"s\"\ndebug = \"line-tables-only\"\nstrip = \"none\"\n")
+        );
+        cell_opt.set_line_tables(false).unwrap();
+        assert!(!std::fs::read_to_string(&config).unwrap().contains("debug"));
         let (code, said) = cell_opt.take_commands(":optional_thing\n1");
         assert!(said.is_empty() && code == ":optional_thing\n1");
         std::fs::remove_dir_all(&root).unwrap();

@@ -17,6 +17,7 @@ mod session;
 mod setup;
 mod startup;
 mod streams;
+mod timeline;
 pub mod workdir;
 
 use std::collections::BTreeMap;

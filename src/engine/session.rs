@@ -20,7 +20,8 @@ use tchmem_wire::memory::MemoryRecord;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 
 use crate::cell_syntax::{self, Syntax, Tail};
-use crate::magics::{self, CellMagic, Magic, MagicReply, ProfileMode};
+use crate::magics::memprofile::MemProfileRequest;
+use crate::magics::{self, CellMagic, CellMagicSource, Magic, MagicReply, ProfileMode};
 use crate::report;
 
 /// The id of the child process now running cells.
@@ -167,7 +168,26 @@ pub struct Session {
     auto_watched: std::collections::HashSet<String>,
     /// The cells' own optimisation level (`:opt`); `None` when its file could not be written.
     cell_opt: Option<cell_opt::CellOpt>,
+    /// Timelines (`%%memprofile`, `%memprofile timeline on`), see [`Timelines`].
+    timelines: Timelines,
     control: Arc<Control>,
+}
+
+/// What the session keeps for allocation timelines.
+#[derive(Default)]
+struct Timelines {
+    /// Where snapshots are written.
+    dir: std::path::PathBuf,
+    /// The compile directory (its generated `src/lib.rs` maps stacks to cells).
+    workdir: std::path::PathBuf,
+    /// `%memprofile timeline on`: a timeline for every later cell.
+    every_cell: Option<MemProfileRequest>,
+    /// The next cell's timeline (`%%memprofile`).
+    next: Option<MemProfileRequest>,
+    /// The last snapshot written (for `%memsnapshot`), or why the last profiled cell has none.
+    last_snapshot: Option<Result<String, String>>,
+    /// Code of every cell run, by execution count, as compiled (for stack frames).
+    cells: Vec<(usize, String)>,
 }
 
 impl Session {
@@ -185,6 +205,11 @@ impl Session {
             runs: 0,
             auto_watched: Default::default(),
             cell_opt: None,
+            timelines: Timelines {
+                dir: super::timeline::snapshot_dir(&config.workdir),
+                workdir: config.workdir.clone(),
+                ..Default::default()
+            },
             control,
         };
         match create_context(&config) {
@@ -280,6 +305,7 @@ impl Session {
         if let Some(source) = magics::cell_magic(cell) {
             return match magics::parse_cell(&source) {
                 Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
+                Ok(CellMagic::MemProfile(request)) => self.memprofile(request, &source, io),
                 Err(reply) => CellOutcome {
                     error: magic_reply(reply, &mut help).err(),
                     page: help_page(help),
@@ -346,7 +372,35 @@ impl Session {
             Some(_) => auto_watch::watch_where_made(code),
             None => (code.to_string(), Vec::new()),
         };
+        self.timelines.cells.push((self.runs, code.clone()));
+        let profile = self
+            .timelines
+            .next
+            .take()
+            .or_else(|| self.timelines.every_cell.clone())
+            .filter(|_| self.child_setup.is_some());
+        let code = match &profile {
+            Some(profile) => {
+                let path = self
+                    .timelines
+                    .dir
+                    .join(format!("cell-{}.pickle", self.runs));
+                super::timeline::with_recording(&code, &super::timeline::request(profile, &path))
+            }
+            None => code,
+        };
+        // Frames name cell lines only when the cell has line tables.
+        let stacks = profile.as_ref().is_some_and(|p| p.stacks);
+        if let Some(cell_opt) = self.cell_opt.as_mut() {
+            if let Err(error) = cell_opt.set_line_tables(stacks) {
+                tracing::warn!("could not switch the cells' line tables: {error}");
+            }
+        }
+        let output = Arc::clone(&io.output);
         let mut outcome = self.run_code(&code, io);
+        if let Some(profile) = &profile {
+            self.show_timeline(profile, &outcome, &output);
+        }
         if outcome.error.is_none() {
             self.auto_watched.extend(watched_in_cell.iter().cloned());
             if let Some(categories) = self.watch_new_var_stores(&code, &watched_in_cell) {
@@ -424,6 +478,136 @@ impl Session {
         outcome.report?.memory.map(|record| record.categories)
     }
 
+    /// Runs a `%%memprofile` cell: its body (itself perhaps an `%%optimize` cell) with a timeline.
+    fn memprofile(
+        &mut self,
+        request: MemProfileRequest,
+        source: &CellMagicSource<'_>,
+        io: CellIo,
+    ) -> CellOutcome {
+        let magic_line = source.body_offset.saturating_sub(1);
+        if let Some(inner) = magics::cell_magic(source.body) {
+            let inner = CellMagicSource {
+                body_offset: inner.body_offset + source.body_offset,
+                ..inner
+            };
+            return match magics::parse_cell(&inner) {
+                Ok(CellMagic::Optimize(optimize)) if optimize.compare.is_some() => CellOutcome {
+                    error: Some(CellError::new(
+                        "MagicError",
+                        "%%memprofile records one run; %%optimize --compare makes two. Profile \
+                         the rewritten loop without --compare (or each version in its own cell)."
+                            .to_string(),
+                    )),
+                    ..Default::default()
+                },
+                Ok(CellMagic::Optimize(optimize)) => {
+                    self.timelines.next = Some(request);
+                    let outcome = self.optimize(&optimize, &inner, io);
+                    self.timelines.next = None;
+                    outcome
+                }
+                Ok(CellMagic::MemProfile(_)) => CellOutcome {
+                    error: Some(CellError::new(
+                        "MagicError",
+                        "%%memprofile appears twice at the top of this cell; keep one.".to_string(),
+                    )),
+                    ..Default::default()
+                },
+                Err(reply) => {
+                    let mut help = Vec::new();
+                    CellOutcome {
+                        error: magic_reply(reply, &mut help).err(),
+                        page: help_page(help),
+                        ..Default::default()
+                    }
+                }
+            };
+        }
+        self.timelines.next = Some(request);
+        let padded = format!("{}{}", "\n".repeat(magic_line + 1), source.body);
+        let outcome = self.run_cell_code(&padded, io);
+        self.timelines.next = None;
+        outcome
+    }
+
+    /// Draws the timeline the runtime captured around the cell that just ran, and writes its
+    /// snapshot where `--snapshot` asked.
+    fn show_timeline(
+        &mut self,
+        profile: &MemProfileRequest,
+        outcome: &CellOutcome,
+        output: &super::OutputSink,
+    ) {
+        let capture = outcome
+            .report
+            .as_ref()
+            .and_then(|r| r.memory.as_ref())
+            .and_then(|m| m.timeline.clone());
+        let Some(capture) = capture else {
+            if outcome.error.is_none() {
+                output(CellOutput::Display(report::text_display(
+                    "%%memprofile: the runtime returned no timeline for this cell (recording is \
+                     off, or the cell did not reach its end)."
+                        .to_string(),
+                )));
+            }
+            return;
+        };
+        self.timelines.last_snapshot = Some(match &capture.error {
+            None => Ok(capture.snapshot.clone()),
+            Some(why) => Err(why.clone()),
+        });
+        let sources = crate::timeline::sites::CellSources {
+            generated: super::timeline::generated_source(&self.timelines.workdir),
+            cells: self.timelines.cells.clone(),
+        };
+        output(CellOutput::Display(super::timeline::display(
+            &capture, &sources, self.runs,
+        )));
+        if let (Some(path), None) = (&profile.snapshot, &capture.error) {
+            let said = match std::fs::copy(&capture.snapshot, path) {
+                Ok(_) => format!("snapshot written to {path} (PyTorch's memory_viz opens it)\n"),
+                Err(error) => format!("could not write the snapshot to {path}: {error}\n"),
+            };
+            output(CellOutput::Stream(StreamName::Stdout, said));
+        }
+    }
+
+    /// `%memsnapshot PATH`: copies the last timeline's snapshot. After a profiled cell that
+    /// could record none (no CUDA), it says so and writes nothing: not an error, the notebook
+    /// goes on as it would on a GPU.
+    fn write_snapshot(&self, path: &str) -> Result<String, CellError> {
+        let last = match &self.timelines.last_snapshot {
+            None => {
+                return Err(CellError::new(
+                    "MagicError",
+                    "no cell has been profiled yet: run one under %%memprofile first (CUDA \
+                     only), then %memsnapshot PATH.pickle writes its snapshot"
+                        .to_string(),
+                ))
+            }
+            Some(Err(why)) => {
+                return Ok(format!(
+                    "%memsnapshot: nothing written to {path}: the last %%memprofile cell \
+                     recorded no timeline ({why})"
+                ))
+            }
+            Some(Ok(last)) => last,
+        };
+        std::fs::copy(last, path)
+            .map(|bytes| {
+                format!(
+                    "wrote {path} ({}): open it in PyTorch's memory_viz, or read it with \
+                     torch.cuda._memory_viz",
+                    report::format::human_bytes(bytes)
+                )
+            })
+            .map_err(|error| {
+                CellError::new("MagicError", format!("could not write {path}: {error}"))
+            })
+    }
+
     fn apply_magic(
         &mut self,
         line: &str,
@@ -442,6 +626,16 @@ impl Session {
                 "memory summaries: {}",
                 mode_name(self.profile_mode)
             )),
+            Ok(Magic::Timeline(on)) => {
+                self.timelines.every_cell =
+                    on.then(|| magics::memprofile::parse_args(&[]).expect("the defaults parse"));
+                show(if on {
+                    "allocation timelines: every later cell (%memprofile timeline off stops)".into()
+                } else {
+                    "allocation timelines: off (%%memprofile still records one cell)".into()
+                });
+            }
+            Ok(Magic::Snapshot(path)) => show(self.write_snapshot(&path)?),
             Ok(Magic::History) => {
                 (io.output)(CellOutput::Display(report::history_display(&self.records)));
             }

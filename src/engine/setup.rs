@@ -53,6 +53,12 @@ impl EngineConfig {
     /// starting threads: the environment is process-wide.
     pub fn apply_to_process_environment(&self) {
         std::env::set_var("EVCXR_TMPDIR", &self.workdir);
+        // libtorch's own DWARF reader names the file and line of each frame of an allocation's
+        // stack (%%memprofile --stacks; cells then have line tables); its default names only
+        // functions. A user's choice stays.
+        if std::env::var_os("TORCH_SYMBOLIZE_MODE").is_none() {
+            std::env::set_var("TORCH_SYMBOLIZE_MODE", "fast");
+        }
         if let Some(libtorch) = &self.libtorch {
             std::env::set_var("LIBTORCH", libtorch);
         }

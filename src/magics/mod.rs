@@ -5,6 +5,7 @@
 //! cell, if any, runs as usual. A cell magic (`%%optimize`) is the first line of its cell and
 //! takes the rest of the cell as its body: see [`cell_magic`].
 
+pub mod memprofile;
 pub mod optimize;
 
 use clap::{Parser, ValueEnum};
@@ -27,6 +28,10 @@ pub enum ProfileMode {
 pub enum Magic {
     /// `%memprofile [MODE]`: set (or show) when memory is shown.
     Profile(Option<ProfileMode>),
+    /// `%memprofile timeline on|off`: record a timeline for every later cell (or stop).
+    Timeline(bool),
+    /// `%memsnapshot PATH`: write the last timeline's snapshot pickle to PATH.
+    Snapshot(String),
     /// `%memhistory`: the records of every cell so far.
     History,
     /// `%memsummary`: the allocator's counters after the last cell, as a table.
@@ -42,16 +47,65 @@ pub enum MagicReply {
     Error(String),
 }
 
-/// Show or set when the memory summary appears after a cell.
+/// Show or set when the memory summary appears after a cell, or (`timeline on|off`) record an
+/// allocation timeline for every later cell, as `%%memprofile` does for one.
 #[derive(Parser)]
 #[command(
     name = "%memprofile",
     no_binary_name = true,
-    disable_version_flag = true
+    disable_version_flag = true,
+    after_help = "Examples:\n  %memprofile always\n  %memprofile timeline on"
 )]
 struct MemProfileArgs {
-    /// auto: after cells that changed memory; always: after every cell; off: never.
-    mode: Option<ProfileMode>,
+    /// auto: after cells that changed memory; always: after every cell; off: never; timeline:
+    /// allocation timelines for later cells (with on or off).
+    mode: Option<ProfileArg>,
+    /// After `timeline`: on or off.
+    #[arg(value_name = "on|off")]
+    switch: Option<Switch>,
+}
+
+/// `%memprofile`'s first argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ProfileArg {
+    /// After cells that changed memory.
+    Auto,
+    /// After every cell.
+    Always,
+    /// Never.
+    Off,
+    /// Allocation timelines for later cells: `timeline on` or `timeline off`.
+    Timeline,
+}
+
+/// on | off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    /// Start.
+    On,
+    /// Stop.
+    Off,
+}
+
+fn profile_magic(args: MemProfileArgs) -> Result<Magic, MagicReply> {
+    let mode = |mode| match args.switch {
+        None => Ok(Magic::Profile(Some(mode))),
+        Some(_) => Err(MagicReply::Error(
+            "%memprofile takes on|off only after `timeline` (%memprofile timeline on)".into(),
+        )),
+    };
+    match args.mode {
+        None => Ok(Magic::Profile(None)),
+        Some(ProfileArg::Auto) => mode(ProfileMode::Auto),
+        Some(ProfileArg::Always) => mode(ProfileMode::Always),
+        Some(ProfileArg::Off) => mode(ProfileMode::Off),
+        Some(ProfileArg::Timeline) => match args.switch {
+            Some(switch) => Ok(Magic::Timeline(switch == Switch::On)),
+            None => Err(MagicReply::Error(
+                "say `%memprofile timeline on` or `%memprofile timeline off`".into(),
+            )),
+        },
+    }
 }
 
 /// Show the memory record of every cell run so far, as a table.
@@ -73,7 +127,8 @@ struct MemHistoryArgs {}
 )]
 struct MemSummaryArgs {}
 
-const MAGICS: &str = "%memprofile, %memhistory, %memsummary, %%optimize";
+const MAGICS: &str =
+    "%memprofile, %memhistory, %memsummary, %memsnapshot, %%memprofile, %%optimize";
 
 /// A cell magic and the code it applies to.
 #[derive(Debug, PartialEq, Eq)]
@@ -92,6 +147,8 @@ pub struct CellMagicSource<'a> {
 pub enum CellMagic {
     /// `%%optimize …`: rewrite the training loop in the body.
     Optimize(optimize::OptimizeRequest),
+    /// `%%memprofile …`: record the body's allocation timeline.
+    MemProfile(memprofile::MemProfileRequest),
 }
 
 /// The cell magic of a cell whose first non-blank line starts with `%%`, if it has one.
@@ -136,9 +193,20 @@ pub fn parse_cell(source: &CellMagicSource<'_>) -> Result<CellMagic, MagicReply>
             }
             Ok(CellMagic::Optimize(request))
         }
+        "%%memprofile" => {
+            let request = memprofile::parse_args(&args)?;
+            if source.body.trim().is_empty() {
+                return Err(MagicReply::Error(
+                    "%%memprofile records the code below it, in the same cell; this cell has \
+                     nothing after the %%memprofile line."
+                        .to_string(),
+                ));
+            }
+            Ok(CellMagic::MemProfile(request))
+        }
         other => Err(MagicReply::Error(format!(
-            "unknown cell magic {other}; tchmem knows %%optimize (it takes --help). Line magics \
-             ({MAGICS}) start with a single %."
+            "unknown cell magic {other}; tchmem knows %%memprofile and %%optimize (each takes \
+             --help). Line magics ({MAGICS}) start with a single %."
         ))),
     }
 }
@@ -165,8 +233,9 @@ pub fn parse(line: &str) -> Result<Magic, MagicReply> {
     let args: Vec<&str> = words.collect();
     match name {
         "%memprofile" => MemProfileArgs::try_parse_from(&args)
-            .map(|a| Magic::Profile(a.mode))
-            .map_err(reply),
+            .map_err(reply)
+            .and_then(profile_magic),
+        "%memsnapshot" => memprofile::parse_snapshot(&args).map(Magic::Snapshot),
         "%memhistory" => MemHistoryArgs::try_parse_from(&args)
             .map(|_| Magic::History)
             .map_err(reply),
@@ -184,7 +253,7 @@ pub fn parse(line: &str) -> Result<Magic, MagicReply> {
     }
 }
 
-fn reply(error: clap::Error) -> MagicReply {
+pub(crate) fn reply(error: clap::Error) -> MagicReply {
     use clap::error::ErrorKind;
     let text = error.render().to_string();
     match error.kind() {
@@ -230,6 +299,22 @@ mod tests {
             panic!()
         };
         assert!(flag.contains("--fast"), "{flag}");
+        assert_eq!(parse("%memprofile timeline on"), Ok(Magic::Timeline(true)));
+        assert_eq!(
+            parse("%memprofile timeline off"),
+            Ok(Magic::Timeline(false))
+        );
+        assert!(
+            matches!(parse("%memprofile timeline"), Err(MagicReply::Error(e)) if e.contains("timeline on"))
+        );
+        assert!(matches!(
+            parse("%memprofile always on"),
+            Err(MagicReply::Error(_))
+        ));
+        assert_eq!(
+            parse("%memsnapshot /tmp/a.pickle"),
+            Ok(Magic::Snapshot("/tmp/a.pickle".into()))
+        );
     }
 
     #[test]
