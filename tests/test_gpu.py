@@ -3,6 +3,9 @@ the allocator's counters, an OOM's diagnosis (and a kernel that stays usable), a
 `%%optimize --compare` measures. Marked `gpu`; skipped where the kernel sees no CUDA device (CI).
 On the H200: scripts/gpu/run-tests (results/gpu/ holds the runs)."""
 
+import pickle
+import re
+
 import pytest
 
 from conftest import execute, outputs, result_text
@@ -143,3 +146,47 @@ let c_batches: Vec<(Tensor, Tensor)> = (0..3).map(|_| (
         if flags == "--checkpoint":
             # Recomputation gives the same gradients: the same losses, step by step.
             assert original["losses"] == pytest.approx(rewritten["losses"], rel=1e-6), text
+
+
+TIMELINE_MIME = "application/vnd.tchmem.timeline+json"
+
+
+def test_memprofile_draws_a_training_steps_timeline_and_names_the_cell_lines(gpu, tmp_path):
+    code = """%%memprofile --stacks --steps 1
+{
+    use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let mut model = nn::seq();
+    for i in 0..4 {
+        model = model.add(nn::linear(vs.root() / i, 2048, 2048, Default::default())).add_fn(|x| x.relu());
+    }
+    let mut opt = nn::Adam::default().build(&vs, 1e-4).unwrap();
+    let x = Tensor::randn([1024, 2048], (Kind::Float, Device::Cuda(0)));
+    for _ in 0..3 {
+        tchmem::phase::train_step(&mut opt, || model.forward(&x).square().mean(Kind::Float));
+    }
+}"""
+    reply, messages = execute(gpu, code, timeout=300)
+    assert reply["status"] == "ok", reply
+    (shown,) = [d["data"] for d in outputs(messages, "display_data") if TIMELINE_MIME in d["data"]]
+    capture, text = shown[TIMELINE_MIME], shown["text/plain"]
+    assert capture["error"] is None and capture["stopped_after_steps"] == 1, capture
+    # The kernel's earlier tests left their (watched) models alive: the new model's blocks are
+    # the ones allocated while recording, each of its four weight matrices named by its line.
+    weight = 2048 * 2048 * 4
+    sites = [l for l in text.splitlines() if f"{weight / MiB:.1f} MiB  parameters" in l]
+    assert len(sites) == 4, text
+    assert all(", line 7: model = model.add(nn::linear(" in l for l in sites), text
+    assert "gradients (made in backward)  autograd's backward pass" in text, text
+    value, unit = re.search(r"optimizer state ([\d.]+) (MiB|GiB)", text).groups()
+    state = float(value) * (1024 if unit == "GiB" else 1)
+    assert state >= 2 * 4 * (weight + 2048 * 4) / MiB, text  # Adam's two moments, at least
+    assert "<svg" in shown["text/html"] and "phase: optimizer step" in shown["text/html"]
+
+    path = tmp_path / "step.pickle"
+    reply, messages = execute(gpu, f"%memsnapshot {path}")
+    assert reply["status"] == "ok", reply
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    allocs = sum(e["action"] == "alloc" for t in snapshot["device_traces"] for e in t)
+    assert f"{allocs} allocations" in text, (allocs, text)
