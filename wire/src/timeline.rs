@@ -46,7 +46,8 @@ impl Phase {
         Phase::Other,
     ];
 
-    /// The word the allocator's trace entries carry as `user_metadata` during this phase.
+    /// The word the allocator's trace entries carry as `user_metadata` during this phase (for
+    /// PyTorch's viewer; tchmem tells phases by time, see the kernel's `timeline::model`).
     pub fn tag(self) -> &'static str {
         match self {
             Phase::Data => "tchmem:data",
@@ -55,14 +56,6 @@ impl Phase {
             Phase::Step => "tchmem:step",
             Phase::Other => "",
         }
-    }
-
-    /// The phase a trace entry's `user_metadata` names.
-    pub fn from_tag(tag: &str) -> Phase {
-        Phase::ALL
-            .into_iter()
-            .find(|phase| !tag.is_empty() && phase.tag() == tag)
-            .unwrap_or(Phase::Other)
     }
 
     /// Human label.
