@@ -179,7 +179,8 @@ pub fn begin(request: TimelineRequest) -> Result<(), String> {
     *active() = Some(Active {
         request,
         capture,
-        stopped: false,
+        // Nothing to mark or stop when recording could not start.
+        stopped: result.is_err(),
     });
     result
 }
@@ -217,6 +218,11 @@ fn stop(active: &mut Active) {
     }
     active.stopped = true;
     let _ = history::set_metadata("");
+    // The trace's times are taken when GPU work is queued; wait for it, so that the frees its
+    // last kernels trigger are in.
+    if tch::Cuda::is_available() {
+        tch::Cuda::synchronize(crate::record::DEVICE);
+    }
     active.capture.ended_us = now_us();
     active.capture.storages_at_end = watch::storages(crate::record::DEVICE);
     let written = history::snapshot().and_then(|bytes| {
@@ -268,11 +274,6 @@ fn mark_locked(active: &mut Active, phase: Phase) {
 /// captured (`None` when none was recording).
 pub fn finish() -> Option<TimelineCapture> {
     let mut active = active().take()?;
-    // The trace's times are taken when the GPU work was queued; wait for it, so that frees the
-    // cell's last kernels trigger are in.
-    if tch::Cuda::is_available() {
-        tch::Cuda::synchronize(crate::record::DEVICE);
-    }
     stop(&mut active);
     Some(active.capture)
 }
