@@ -79,6 +79,8 @@ pub struct Change {
     pub bytes: i64,
     /// Reserved bytes added (segments).
     pub reserved: i64,
+    /// The block allocated or freed (an index into the timeline's blocks), if one was.
+    pub block: Option<usize>,
 }
 
 /// An allocation that failed.
@@ -341,6 +343,7 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
                 slot: slot as u8,
                 bytes,
                 reserved: 0,
+                block: Some(b),
             });
         }
         if reserved != 0 && change.is_none() {
@@ -350,6 +353,7 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
                 slot: 0,
                 bytes: 0,
                 reserved,
+                block: None,
             });
         }
         if let Some(change) = change {

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use tchmem_wire::memory::CategoryName;
 use tchmem_wire::timeline::Phase;
 
-use super::{by_category, ms, phase_at, text};
+use super::{by_category, ms, phase_at, text, PeakBlock};
 use crate::report::chart::{colour, font, TEXT_PX, TITLE_PX};
 use crate::report::format::human_bytes;
 use crate::timeline::model::{Timeline, STACKED};
@@ -61,8 +61,9 @@ fn axis(bytes: u64) -> (u64, u64) {
     ((top * unit as f64) as u64, (step * unit as f64) as u64)
 }
 
-/// The hover text of one column.
-fn column_title(timeline: &Timeline, column: &Column) -> String {
+/// The hover text of one column: its events and times, phase, bytes by category, and the
+/// largest block allocated in it (with its site when stacks were kept).
+fn column_title(timeline: &Timeline, column: &Column, sources: &CellSources) -> String {
     let phase = phase_at(timeline, column.at_us)
         .map(|p| format!(" ({})", p.label()))
         .unwrap_or_default();
@@ -77,6 +78,20 @@ fn column_title(timeline: &Timeline, column: &Column) -> String {
     );
     for (c, b) in by_category(&column.state) {
         let _ = write!(text, "\n{}: {}", c.label(), human_bytes(b));
+    }
+    let largest = timeline.changes[column.changes.0..column.changes.1]
+        .iter()
+        .filter(|c| c.bytes > 0)
+        .filter_map(|c| c.block)
+        .max_by_key(|&b| timeline.blocks[b].size);
+    if let Some(b) = largest {
+        let block = PeakBlock::of(timeline, b, sources);
+        let _ = write!(
+            text,
+            "\nlargest allocation here: {} {}",
+            human_bytes(block.size),
+            block.what()
+        );
     }
     text
 }
@@ -302,7 +317,7 @@ impl<'t> Layout<'t> {
                 "<rect x=\"{x0}\" y=\"{TOP}\" width=\"{}\" height=\"{}\"><title>{}</title></rect>",
                 x1 - x0,
                 BOTTOM - TOP,
-                crate::report::escape(&column_title(self.timeline, column))
+                crate::report::escape(&column_title(self.timeline, column, sources))
             );
         }
         let (x, y) = self.peak();

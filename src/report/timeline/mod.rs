@@ -60,6 +60,39 @@ pub struct PeakBlock {
     pub site: Option<String>,
 }
 
+impl PeakBlock {
+    /// Block `b` of the timeline.
+    pub fn of(timeline: &Timeline, b: usize, sources: &CellSources) -> PeakBlock {
+        let block = &timeline.blocks[b];
+        let frames = block
+            .alloc_entry
+            .map(|e| timeline.entries[e].frames.as_slice())
+            .unwrap_or_default();
+        PeakBlock {
+            size: block.size,
+            category: block.category,
+            phase: block.phase,
+            site: sources.site(frames),
+        }
+    }
+
+    /// "activations (made in forward)  cell [7], line 13: …": all but the size.
+    pub fn what(&self) -> String {
+        format!(
+            "{} ({}){}",
+            self.category.label(),
+            match self.phase {
+                Phase::Other => "made outside the marked phases".to_string(),
+                phase => format!("made in {}", phase.label()),
+            },
+            self.site
+                .as_ref()
+                .map(|s| format!("  {s}"))
+                .unwrap_or_default()
+        )
+    }
+}
+
 /// The largest blocks alive at the peak.
 pub fn peak_blocks(timeline: &Timeline, sources: &CellSources) -> Vec<PeakBlock> {
     timeline
@@ -67,19 +100,7 @@ pub fn peak_blocks(timeline: &Timeline, sources: &CellSources) -> Vec<PeakBlock>
         .alive
         .iter()
         .take(TOP_BLOCKS)
-        .map(|&b| {
-            let block = &timeline.blocks[b];
-            let frames = block
-                .alloc_entry
-                .map(|e| timeline.entries[e].frames.as_slice())
-                .unwrap_or_default();
-            PeakBlock {
-                size: block.size,
-                category: block.category,
-                phase: block.phase,
-                site: sources.site(frames),
-            }
-        })
+        .map(|&b| PeakBlock::of(timeline, b, sources))
         .collect()
 }
 
@@ -137,21 +158,7 @@ pub fn text(timeline: &Timeline, sources: &CellSources, title: &str) -> String {
             "largest blocks alive at the peak (of those allocated while recording):"
         );
         for block in &blocks {
-            let _ = writeln!(
-                out,
-                "  {:>10}  {} ({}){}",
-                human_bytes(block.size),
-                block.category.label(),
-                match block.phase {
-                    Phase::Other => "made outside the marked phases".to_string(),
-                    phase => format!("made in {}", phase.label()),
-                },
-                block
-                    .site
-                    .as_ref()
-                    .map(|s| format!("  {s}"))
-                    .unwrap_or_default()
-            );
+            let _ = writeln!(out, "  {:>10}  {}", human_bytes(block.size), block.what());
         }
     }
     for oom in &timeline.ooms {
@@ -295,7 +302,10 @@ mod tests {
         let svg = svg(&timeline, &CellSources::default(), "t").unwrap();
         assert!(svg.contains("#FF0000"), "the OOM's red line");
         assert!(svg.contains("phase: forward") && svg.contains("phase: backward"));
-        assert!(svg.contains("<title>"), "hover text");
+        assert!(
+            svg.contains("largest allocation here: 128.0 MiB activations (made in forward)"),
+            "a column's hover names its largest block"
+        );
     }
 
     #[test]
