@@ -6,6 +6,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tch::nn::{VarStore, Variables};
 use tch::{Device, Tensor};
+use tchmem_wire::memory::CategoryName;
+use tchmem_wire::timeline::Storage;
 
 /// The watched stores and batch.
 #[derive(Default)]
@@ -50,41 +52,52 @@ pub struct Known {
     pub stores: usize,
 }
 
-/// Sizes the watched tensors that live on `device`.
-pub fn known_bytes(device: Device) -> Known {
+/// Calls `visit` with every watched tensor and what it is (parameters, gradients, input
+/// batch), forgetting stores that were dropped; returns the number of live stores.
+fn each_watched(mut visit: impl FnMut(&Tensor, CategoryName)) -> usize {
     let mut watched = watched();
     watched.stores.retain(|w| w.strong_count() > 0);
-    let mut seen = HashSet::new();
-    let mut known = Known::default();
+    let mut stores = 0;
     for store in watched.stores.iter().filter_map(Weak::upgrade) {
         let variables = store.lock().unwrap_or_else(|e| e.into_inner());
-        known.stores += 1;
+        stores += 1;
         for tensor in variables.named_variables.values() {
-            known.parameters += bytes_once(tensor, device, &mut seen);
+            visit(tensor, CategoryName::Parameters);
         }
         for var in &variables.trainable_variables {
             let grad = var.tensor.grad();
             if grad.defined() {
-                known.gradients += bytes_once(&grad, device, &mut seen);
+                visit(&grad, CategoryName::Gradients);
             }
         }
     }
     if let Some(batch) = &watched.batch {
-        known.input_batch = bytes_once(batch, device, &mut seen);
+        visit(batch, CategoryName::InputBatch);
     }
+    stores
+}
+
+/// Sizes the watched tensors that live on `device`.
+pub fn known_bytes(device: Device) -> Known {
+    let mut seen = HashSet::new();
+    let mut known = Known::default();
+    known.stores = each_watched(|tensor, category| {
+        let bytes = bytes_once(tensor, device, &mut seen);
+        match category {
+            CategoryName::Parameters => known.parameters += bytes,
+            CategoryName::Gradients => known.gradients += bytes,
+            _ => known.input_batch = bytes,
+        }
+    });
     known
 }
 
 /// The device blocks of the watched tensors on CUDA device `device` (for timelines, which tell
 /// the allocator's blocks apart by address).
-pub(crate) fn storages(device: i64) -> Vec<tchmem_wire::timeline::Storage> {
-    use tchmem_wire::memory::CategoryName;
-    use tchmem_wire::timeline::Storage;
+pub(crate) fn storages(device: i64) -> Vec<Storage> {
     let device = Device::Cuda(device as usize);
-    let mut watched = watched();
-    watched.stores.retain(|w| w.strong_count() > 0);
     let mut found = Vec::new();
-    let mut add = |tensor: &Tensor, category| {
+    each_watched(|tensor, category| {
         // Watched tensors are whole storages (a VarStore's variables, their gradients, a
         // batch), so their data pointer is their block's address.
         if tensor.defined() && tensor.device() == device {
@@ -94,19 +107,7 @@ pub(crate) fn storages(device: i64) -> Vec<tchmem_wire::timeline::Storage> {
                 category,
             });
         }
-    };
-    for store in watched.stores.iter().filter_map(Weak::upgrade) {
-        let variables = store.lock().unwrap_or_else(|e| e.into_inner());
-        for tensor in variables.named_variables.values() {
-            add(tensor, CategoryName::Parameters);
-        }
-        for var in &variables.trainable_variables {
-            add(&var.tensor.grad(), CategoryName::Gradients);
-        }
-    }
-    if let Some(batch) = &watched.batch {
-        add(batch, CategoryName::InputBatch);
-    }
+    });
     found
 }
 

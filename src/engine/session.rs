@@ -67,6 +67,17 @@ fn is_help_command(code: &str) -> bool {
     }
 }
 
+/// The outcome of a cell whose cell magic's line did not parse: its help in the pager, or its
+/// mistake as the cell's error.
+fn cell_magic_reply(reply: MagicReply) -> CellOutcome {
+    let mut help = Vec::new();
+    CellOutcome {
+        error: magic_reply(reply, &mut help).err(),
+        page: help_page(help),
+        ..Default::default()
+    }
+}
+
 /// Help texts as a pager bundle (none when there are none).
 fn help_page(help: Vec<String>) -> std::collections::BTreeMap<String, String> {
     if help.is_empty() {
@@ -306,11 +317,7 @@ impl Session {
             return match magics::parse_cell(&source) {
                 Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
                 Ok(CellMagic::MemProfile(request)) => self.memprofile(request, &source, io),
-                Err(reply) => CellOutcome {
-                    error: magic_reply(reply, &mut help).err(),
-                    page: help_page(help),
-                    ..Default::default()
-                },
+                Err(reply) => cell_magic_reply(reply),
             };
         }
         let (magic_lines, code) = magics::split(cell);
@@ -514,14 +521,7 @@ impl Session {
                     )),
                     ..Default::default()
                 },
-                Err(reply) => {
-                    let mut help = Vec::new();
-                    CellOutcome {
-                        error: magic_reply(reply, &mut help).err(),
-                        page: help_page(help),
-                        ..Default::default()
-                    }
-                }
+                Err(reply) => cell_magic_reply(reply),
             };
         }
         self.timelines.next = Some(request);
@@ -558,10 +558,10 @@ impl Session {
             None => Ok(capture.snapshot.clone()),
             Some(why) => Err(why.clone()),
         });
-        let sources = crate::timeline::sites::CellSources {
-            generated: super::timeline::generated_source(&self.timelines.workdir),
-            cells: self.timelines.cells.clone(),
-        };
+        let sources = crate::timeline::sites::CellSources::new(
+            super::timeline::generated_source(&self.timelines.workdir),
+            &self.timelines.cells,
+        );
         output(CellOutput::Display(super::timeline::display(
             &capture, &sources, self.runs,
         )));

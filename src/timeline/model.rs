@@ -332,7 +332,7 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
             } else {
                 // A block from before recording leaves its start category; what that category
                 // no longer holds comes out of "other tensors" (rounding of watched sizes).
-                if !is_alloc && block.alloc_entry.is_none() && state.bytes[slot] < block.size {
+                if block.alloc_entry.is_none() && state.bytes[slot] < block.size {
                     slot = self::slot(CategoryName::Other);
                 }
                 -(block.size as i64)

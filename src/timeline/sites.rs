@@ -6,15 +6,18 @@
 //! that file's lines (cells are built with line tables while stacks are recorded); each
 //! generated line is found again, by its text, in the cells the kernel ran.
 
+use std::collections::HashMap;
+
 use super::snapshot::Frame;
 
 /// The cells' code, for mapping generated lines back to cells.
 #[derive(Debug, Clone, Default)]
 pub struct CellSources {
     /// The generated crate's source as it was when the timeline's cell ran.
-    pub generated: Vec<String>,
-    /// Code of the cells run so far, by execution count, the timeline's cell last.
-    pub cells: Vec<(usize, String)>,
+    generated: Vec<String>,
+    /// Each line's text (trimmed) → where it came from: (execution count, 1-based line). A
+    /// line in several cells counts as the latest cell's, and within it as its first.
+    cell_lines: HashMap<String, (usize, usize)>,
 }
 
 /// Whether a frame's file is the generated crate's source (not a dependency's `src/lib.rs`).
@@ -69,6 +72,26 @@ pub fn readable_symbol(name: &str) -> String {
 }
 
 impl CellSources {
+    /// The sources: the generated crate's lines, and the code of the cells run so far, by
+    /// execution count, the timeline's cell last.
+    pub fn new(generated: Vec<String>, cells: &[(usize, String)]) -> CellSources {
+        let mut cell_lines = HashMap::new();
+        for (count, code) in cells.iter().rev() {
+            for (i, line) in code.lines().enumerate() {
+                let text = line.trim();
+                if !text.is_empty() {
+                    cell_lines
+                        .entry(text.to_string())
+                        .or_insert((*count, i + 1));
+                }
+            }
+        }
+        CellSources {
+            generated,
+            cell_lines,
+        }
+    }
+
     /// The cell line of generated line `line` (1-based): (execution count, line, text).
     fn find(&self, line: i64) -> Option<(usize, usize, String)> {
         let text = self
@@ -78,11 +101,8 @@ impl CellSources {
         if wanted.is_empty() {
             return None;
         }
-        self.cells.iter().rev().find_map(|(count, code)| {
-            code.lines()
-                .position(|l| l.trim() == wanted)
-                .map(|i| (*count, i + 1, wanted.to_string()))
-        })
+        let &(count, line) = self.cell_lines.get(wanted)?;
+        Some((count, line, wanted.to_string()))
     }
 
     /// The site of an allocation with `frames` (innermost first).
@@ -132,22 +152,22 @@ mod tests {
 
     #[test]
     fn a_generated_line_is_named_by_the_cell_and_line_it_came_from() {
-        let sources = CellSources {
-            generated: vec![
+        let sources = CellSources::new(
+            vec![
                 "fn forward(x: &Tensor) -> Tensor {".into(),
                 "    x.relu()".into(),
                 "}".into(),
                 "pub extern \"C\" fn run_user_code_3() {".into(),
                 "let y = forward(&x);".into(),
             ],
-            cells: vec![
+            &[
                 (
                     2,
                     "fn forward(x: &Tensor) -> Tensor {\n    x.relu()\n}".into(),
                 ),
                 (3, "\n// comment\nlet y = forward(&x);".into()),
             ],
-        };
+        );
         // As libtorch 2.11's fast symbolizer names them (a character short, at times).
         let frames = [
             frame("at::relu", "/opt/torch/lib/libtorch_cpu.so", 107658604),

@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use tchmem_wire::memory::CategoryName;
 use tchmem_wire::timeline::{Phase, TIMELINE_MIME};
 
+use super::escape;
 use super::format::human_bytes;
 use crate::timeline::model::{State, Timeline, STACKED};
 use crate::timeline::sites::CellSources;
@@ -174,10 +175,6 @@ pub fn text(timeline: &Timeline, sources: &CellSources, title: &str) -> String {
 }
 
 pub use chart::svg;
-
-fn escape(text: &str) -> String {
-    super::escape(text)
-}
 
 /// An HTML table of the allocation sites alive at the peak (with stacks).
 pub fn sites_table(timeline: &Timeline, sources: &CellSources) -> Option<String> {
