@@ -30,9 +30,10 @@ fn main() {
         .warnings(false)
         .compile("tchmem_shim");
 
-    // The OOM observer and the allocation history need CUDA headers: torch's nvidia wheels have
-    // all but crt/, which scripts/setup installs (nvidia-cuda-crt). Without them the runtime has
-    // neither: it relies on the allocator's OOM counter and has no timelines.
+    // The OOM observer, the allocation history and the memory fraction need CUDA headers:
+    // torch's nvidia wheels have all but crt/, which scripts/setup installs (nvidia-cuda-crt).
+    // Without them the runtime has none of them: it relies on the allocator's OOM counter, has
+    // no timelines and cannot cap the allocator.
     println!("cargo::rustc-check-cfg=cfg(tchmem_cuda_headers)");
     println!("cargo:rerun-if-env-changed=TCHMEM_CUDA_INCLUDE");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -54,6 +55,7 @@ fn main() {
             .cpp(true)
             .file("csrc/oom_observer.cpp")
             .file("csrc/history.cpp")
+            .file("csrc/memory_fraction.cpp")
             .include(torch.join("include"))
             .include(torch.join("include/torch/csrc/api/include"))
             .include(cuda_include)
@@ -66,7 +68,7 @@ fn main() {
         println!("cargo:rustc-cfg=tchmem_cuda_headers");
     } else {
         println!(
-            "cargo:warning=no CUDA headers in {} (pip install --no-deps nvidia-cuda-crt==13.0.88, or set TCHMEM_CUDA_INCLUDE): building without the OOM observer and the allocation history",
+            "cargo:warning=no CUDA headers in {} (pip install --no-deps nvidia-cuda-crt==13.0.88, or set TCHMEM_CUDA_INCLUDE): building without the OOM observer, the allocation history and the memory fraction",
             candidates
                 .iter()
                 .map(|dir| dir.display().to_string())

@@ -1,18 +1,47 @@
-//! Measuring a training loop for `%%optimize --compare`: the kernel runs the original and the
-//! rewritten loop, each instrumented to call [`record_step`] after every optimizer step and to
-//! stop after a number of steps, between [`begin`] and [`finish`] in one cell.
+//! Measuring a training loop for `%%optimize --compare` (and the trial runs of a memory
+//! estimate): the kernel runs the loop instrumented to call [`record_step`] after every
+//! optimizer step and to stop after a number of steps, between [`begin`] and [`finish`] in one
+//! cell.
+//!
+//! On CUDA, the loop's phase markers (`tchmem::phase`) also split the run's peak by phase: each
+//! marker hands the allocator's peak since the previous one to the phase that just ended and
+//! restarts the peaks; the run's overall peaks are kept across those restarts.
 
 use std::sync::Mutex;
 use std::time::Instant;
 
 use tch::Tensor;
-use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
+use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
-use crate::{cuda_stats, record};
+use crate::{cuda_stats, estimate, record};
 
 struct State {
     run: CompareRun,
     last: Instant,
+    /// The allocator's peaks across the restarts the phase markers make; `None` without CUDA.
+    peaks: Option<Peaks>,
+    /// Where the watched models' variables were when the run began: the run's own model is the
+    /// one that is not there.
+    existing: std::collections::HashSet<usize>,
+}
+
+/// The part of a training step between two phase markers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// `phase::forward` to `phase::step`.
+    ForwardBackward,
+    /// `phase::step` to `phase::end`.
+    Step,
+}
+
+/// Peaks kept while the markers restart the allocator's.
+struct Peaks {
+    /// Highest allocated bytes before the last restart.
+    allocated: u64,
+    /// Highest reserved bytes before the last restart.
+    reserved: u64,
+    /// The part of the step since the last marker (`None`: outside the marked parts).
+    part: Option<Part>,
 }
 
 // One cell runs begin, the loop and finish: a cell's own copy of this static is enough.
@@ -50,7 +79,43 @@ pub fn begin(steps: usize) {
             ..Default::default()
         },
         last: Instant::now(),
+        peaks: allocated_at_begin.map(|_| Peaks {
+            allocated: 0,
+            reserved: 0,
+            part: None,
+        }),
+        existing: estimate::watched_addresses(),
     });
+}
+
+/// Called by each phase marker, before it takes its own lock: during a run on CUDA, the
+/// allocator's peak since the previous marker goes to the part of the step that just ended, and
+/// the peaks restart for `next` (`None`: outside the marked parts). Elsewhere it does nothing.
+/// The allocator's counters are kept on the host: no synchronisation is needed.
+pub(crate) fn at_marker(next: Option<Part>) {
+    let mut guard = state();
+    let Some(state) = guard.as_mut() else { return };
+    let Some(peaks) = state.peaks.as_mut() else {
+        return;
+    };
+    let Ok(stats) = cuda_stats::device_stats(record::DEVICE) else {
+        return;
+    };
+    peaks.allocated = peaks.allocated.max(stats.peak.allocated);
+    peaks.reserved = peaks.reserved.max(stats.peak.reserved);
+    if let Some(part) = peaks.part {
+        let phase_peaks = state
+            .run
+            .phase_peaks
+            .get_or_insert_with(PhasePeaks::default);
+        let peak = match part {
+            Part::ForwardBackward => &mut phase_peaks.forward_backward,
+            Part::Step => &mut phase_peaks.step,
+        };
+        *peak = (*peak).max(stats.peak.allocated);
+    }
+    let _ = cuda_stats::reset_peak_stats(record::DEVICE);
+    peaks.part = next;
 }
 
 /// Notes one optimizer step and its loss; true once the run has its steps (the loop stops).
@@ -70,18 +135,28 @@ pub fn record_step(loss: &Tensor) -> bool {
         .step_seconds
         .push(now.duration_since(state.last).as_secs_f64());
     let done = state.run.losses.len() >= state.run.steps_wanted;
+    if state.run.parameters.is_empty() {
+        // The stores are dropped before `finish`; their shapes do not change between steps.
+        // Models the notebook held before the run are not the loop's.
+        state.run.parameters = estimate::watched_shapes(&state.existing);
+    }
     // After every step, so that a loop with fewer steps than asked still has its numbers.
-    measure(&mut state.run);
+    measure(state);
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
     done
 }
 
-/// The allocator's peaks and what a step leaves allocated, as of now.
-fn measure(run: &mut CompareRun) {
+/// The allocator's peaks since the run began and what a step leaves allocated, as of now.
+fn measure(state: &mut State) {
+    let run = &mut state.run;
     if let Ok(stats) = cuda_stats::device_stats(record::DEVICE) {
-        run.peak_allocated = Some(stats.peak.allocated);
-        run.peak_reserved = Some(stats.peak.reserved);
+        let (allocated, reserved) = state
+            .peaks
+            .as_ref()
+            .map_or((0, 0), |p| (p.allocated, p.reserved));
+        run.peak_allocated = Some(stats.peak.allocated.max(allocated));
+        run.peak_reserved = Some(stats.peak.reserved.max(reserved));
         run.allocated_after_step = Some(stats.current.allocated);
     }
     run.at_last_step = Some(record::current());

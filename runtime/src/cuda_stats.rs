@@ -1,4 +1,6 @@
-//! The CUDA caching allocator's counters, through the C++ shim (csrc/memory.cpp).
+//! The CUDA caching allocator's counters, through the C++ shim (csrc/memory.cpp), and its two
+//! knobs a notebook needs to check whether a loop fits: the memory fraction it may reserve
+//! (csrc/memory_fraction.cpp) and freeing its cache.
 
 use std::ffi::{c_char, c_int};
 
@@ -47,6 +49,22 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn tchmem_cuda_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+}
+
+#[cfg(tchmem_cuda_headers)]
+extern "C" {
+    fn tchmem_cuda_set_memory_fraction(
+        device: c_int,
+        fraction: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_cuda_memory_fraction(
+        device: c_int,
+        out: *mut f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// The allocator's statistics for one device.
@@ -120,4 +138,99 @@ pub fn empty_cache() -> Result<(), String> {
     unavailable()?;
     // SAFETY: plain call into the shim.
     call(|err, len| unsafe { tchmem_cuda_empty_cache(err, len) })
+}
+
+/// The device that [`set_memory_fraction`], [`memory_fraction`] and [`free_cache`] act on: the
+/// one the runtime measures (cuda:0).
+const DEVICE: i64 = crate::record::DEVICE;
+
+/// Makes sure the allocator has its per-device state for the device (created on first use),
+/// which the memory fraction lives in.
+#[cfg_attr(not(tchmem_cuda_headers), allow(dead_code))]
+fn touch_device() {
+    let device = tch::Device::Cuda(DEVICE as usize);
+    drop(tch::Tensor::zeros([1], (tch::Kind::Float, device)));
+}
+
+/// Caps what the allocator may reserve on the device at `fraction` of its memory (as
+/// `torch.cuda.set_per_process_memory_fraction`): beyond that, allocations fail as out of
+/// memory, as on a smaller GPU. 1 lifts the cap.
+pub fn set_memory_fraction(fraction: f64) -> Result<(), String> {
+    if !(fraction > 0.0 && fraction <= 1.0) {
+        return Err(format!(
+            "the memory fraction must lie in (0, 1], not {fraction}"
+        ));
+    }
+    unavailable()?;
+    #[cfg(tchmem_cuda_headers)]
+    {
+        touch_device();
+        // SAFETY: plain call into the shim.
+        call(|err, len| unsafe {
+            tchmem_cuda_set_memory_fraction(DEVICE as c_int, fraction, err, len)
+        })
+    }
+    #[cfg(not(tchmem_cuda_headers))]
+    {
+        Err(no_cuda_headers())
+    }
+}
+
+/// The share of the device's memory the allocator may reserve (1 when uncapped).
+pub fn memory_fraction() -> Result<f64, String> {
+    unavailable()?;
+    #[cfg(tchmem_cuda_headers)]
+    {
+        touch_device();
+        let mut fraction = 0.0;
+        // SAFETY: the out-pointer is valid for the call.
+        call(|err, len| unsafe {
+            tchmem_cuda_memory_fraction(DEVICE as c_int, &mut fraction, err, len)
+        })?;
+        Ok(fraction)
+    }
+    #[cfg(not(tchmem_cuda_headers))]
+    {
+        Err(no_cuda_headers())
+    }
+}
+
+#[cfg(not(tchmem_cuda_headers))]
+fn no_cuda_headers() -> String {
+    "the runtime was built without CUDA headers (scripts/setup installs them), \
+     so it cannot reach the allocator's memory fraction"
+        .into()
+}
+
+/// What [`free_cache`] gave back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Freed {
+    /// Bytes the allocator held from the driver before.
+    pub reserved_before: u64,
+    /// Bytes it holds after: what live tensors' blocks still need.
+    pub reserved_after: u64,
+    /// Bytes in live tensors (unchanged by freeing the cache).
+    pub allocated: u64,
+}
+
+impl Freed {
+    /// Bytes returned to the driver.
+    pub fn released(&self) -> u64 {
+        self.reserved_before.saturating_sub(self.reserved_after)
+    }
+}
+
+/// Returns the allocator's cached, unused blocks on the device to the driver, once its pending
+/// work is done (so that blocks freed by running kernels count as unused), and says how much.
+pub fn free_cache() -> Result<Freed, String> {
+    unavailable()?;
+    tch::Cuda::synchronize(DEVICE);
+    let before = device_stats(DEVICE)?.current;
+    empty_cache()?;
+    let after = device_stats(DEVICE)?.current;
+    Ok(Freed {
+        reserved_before: before.reserved,
+        reserved_after: after.reserved,
+        allocated: after.allocated,
+    })
 }

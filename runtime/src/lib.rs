@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod cuda_stats;
 pub mod display;
+pub mod estimate;
 mod ffi;
 mod nvml;
 pub mod oom;

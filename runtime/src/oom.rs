@@ -26,22 +26,32 @@ fn keep(events: &mut Vec<OomEvent>, event: OomEvent) {
     events.push(event);
 }
 
-/// Called by libtorch when the allocator gives up: only notes the event.
+/// Called by libtorch when the allocator gives up: notes the event with the allocator's counters
+/// and the watched tensors' bytes at that moment. libtorch calls observers after releasing the
+/// allocator's lock, so reading its counters is safe; the watched tensors are read only if
+/// their locks are free (this may run while any thread holds them).
 #[cfg_attr(not(tchmem_cuda_headers), allow(dead_code))]
 extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free: u64) {
+    let current = crate::cuda_stats::device_stats(device)
+        .ok()
+        .map(|stats| stats.current);
+    let known = crate::watch::try_known_bytes(tch::Device::Cuda(device as usize));
+    let event = OomEvent {
+        device,
+        requested,
+        device_total,
+        device_free,
+        allocated: current.map(|c| c.allocated),
+        reserved: current.map(|c| c.reserved),
+        parameters: known.map(|k| k.parameters),
+        gradients: known.map(|k| k.gradients),
+        input_batch: known.map(|k| k.input_batch),
+    };
     let mut events = crate::shared::shared()
         .oom_events
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    keep(
-        &mut events,
-        OomEvent {
-            device,
-            requested,
-            device_total,
-            device_free,
-        },
-    );
+    keep(&mut events, event);
 }
 
 /// Attaches the observer (once per process: the kernel does it when a session starts).
@@ -93,6 +103,7 @@ mod tests {
                     requested,
                     device_total: 1,
                     device_free: 0,
+                    ..Default::default()
                 },
             );
         }

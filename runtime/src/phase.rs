@@ -1,5 +1,6 @@
 //! Phase markers of a training step, from which the runtime tells activations and optimizer
-//! state apart (CUDA: they read the allocator's counters; elsewhere they do nothing).
+//! state apart, and a measured run (`tchmem::compare`) its peak per phase (CUDA: they read the
+//! allocator's counters; elsewhere they do nothing).
 //!
 //! ```no_run
 //! # use tch::{nn, nn::Module, nn::OptimizerConfig, Tensor};
@@ -14,6 +15,7 @@ use tch::nn::Optimizer;
 use tch::{Device, Tensor};
 use tchmem_wire::memory::{Category, CategoryName};
 
+use crate::compare::{self, Part};
 use crate::{cuda_stats, timeline, watch};
 use tchmem_wire::timeline::Phase;
 
@@ -50,6 +52,7 @@ pub fn data() {
 /// Marks the start of the forward pass.
 pub fn forward() {
     timeline::mark(Phase::Forward);
+    compare::at_marker(Some(Part::ForwardBackward));
     phases().forward_start = allocated();
 }
 
@@ -57,6 +60,7 @@ pub fn forward() {
 /// allocated is the activations (and the loss).
 pub fn backward() {
     timeline::mark(Phase::Backward);
+    compare::at_marker(Some(Part::ForwardBackward));
     let Some(now) = allocated() else { return };
     let mut phases = phases();
     let Some(start) = phases.forward_start.take() else {
@@ -87,11 +91,13 @@ pub fn backward() {
 /// Marks the optimizer step (after backward, before `opt.step()`).
 pub fn step() {
     timeline::mark(Phase::Step);
+    compare::at_marker(Some(Part::Step));
     phases().step_start = allocated();
 }
 
 /// Marks the end of the optimizer step.
 pub fn end() {
+    compare::at_marker(None);
     if let Some(now) = allocated() {
         let mut phases = phases();
         if let Some(start) = phases.step_start.take() {

@@ -2,7 +2,7 @@
 //! parameters, and which tensor is the current input batch.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 
 use tch::nn::{VarStore, Variables};
 use tch::{Device, Tensor};
@@ -16,11 +16,29 @@ pub struct Watched {
     batch: Option<Tensor>,
 }
 
-fn watched() -> std::sync::MutexGuard<'static, Watched> {
-    crate::shared::shared()
-        .watched
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+fn watched() -> MutexGuard<'static, Watched> {
+    lock(&crate::shared::shared().watched, Locking::Wait).expect("waiting always locks")
+}
+
+/// How a walk over the watched tensors takes its locks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Locking {
+    /// Waits for them.
+    Wait,
+    /// Gives up when one is busy (inside libtorch's OOM observer, which must never block).
+    Try,
+}
+
+/// Locks `mutex` (tolerating poison), or `None` when it is busy and `how` is [`Locking::Try`].
+fn lock<T>(mutex: &Mutex<T>, how: Locking) -> Option<MutexGuard<'_, T>> {
+    if how == Locking::Wait {
+        return Some(mutex.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 /// Counts `vs`'s variables as parameters and their gradients as gradients in every later memory
@@ -52,15 +70,29 @@ pub struct Known {
     pub stores: usize,
 }
 
-/// Calls `visit` with every watched tensor and what it is (parameters, gradients, input
-/// batch), forgetting stores that were dropped; returns the number of live stores.
-fn each_watched(mut visit: impl FnMut(&Tensor, CategoryName)) -> usize {
-    let mut watched = watched();
+/// Calls `visit` with the variables of every live store in `watched`, forgetting stores that
+/// were dropped; returns the number of live stores, or `None` when a store's lock was busy
+/// (with [`Locking::Try`]; `visit` may then have seen some of the stores).
+fn each_store(
+    watched: &mut Watched,
+    how: Locking,
+    mut visit: impl FnMut(&Variables),
+) -> Option<usize> {
     watched.stores.retain(|w| w.strong_count() > 0);
     let mut stores = 0;
     for store in watched.stores.iter().filter_map(Weak::upgrade) {
-        let variables = store.lock().unwrap_or_else(|e| e.into_inner());
+        visit(&*lock(&store, how)?);
         stores += 1;
+    }
+    Some(stores)
+}
+
+/// Calls `visit` with every watched tensor and what it is (parameters, gradients, input
+/// batch); returns the number of live stores, or `None` when a lock was busy (as
+/// [`each_store`]).
+fn each_watched(how: Locking, mut visit: impl FnMut(&Tensor, CategoryName)) -> Option<usize> {
+    let mut watched = lock(&crate::shared::shared().watched, how)?;
+    let stores = each_store(&mut watched, how, |variables| {
         for tensor in variables.named_variables.values() {
             visit(tensor, CategoryName::Parameters);
         }
@@ -70,26 +102,47 @@ fn each_watched(mut visit: impl FnMut(&Tensor, CategoryName)) -> usize {
                 visit(&grad, CategoryName::Gradients);
             }
         }
-    }
+    })?;
     if let Some(batch) = &watched.batch {
         visit(batch, CategoryName::InputBatch);
     }
-    stores
+    Some(stores)
 }
 
 /// Sizes the watched tensors that live on `device`.
 pub fn known_bytes(device: Device) -> Known {
+    sized(device, Locking::Wait).expect("waiting always locks")
+}
+
+/// [`known_bytes`] without waiting: `None` when the watched tensors are busy (for libtorch's
+/// OOM observer, which may run while this or another thread holds their locks).
+pub(crate) fn try_known_bytes(device: Device) -> Option<Known> {
+    sized(device, Locking::Try)
+}
+
+fn sized(device: Device, how: Locking) -> Option<Known> {
     let mut seen = HashSet::new();
     let mut known = Known::default();
-    known.stores = each_watched(|tensor, category| {
+    known.stores = each_watched(how, |tensor, category| {
         let bytes = bytes_once(tensor, device, &mut seen);
         match category {
             CategoryName::Parameters => known.parameters += bytes,
             CategoryName::Gradients => known.gradients += bytes,
             _ => known.input_batch = bytes,
         }
+    })?;
+    Some(known)
+}
+
+/// Calls `visit` with the trainable variables of every live watched store (what an estimate
+/// sizes parameters, gradients and optimizer state from).
+pub(crate) fn each_trainable(mut visit: impl FnMut(&Tensor)) {
+    each_store(&mut watched(), Locking::Wait, |variables| {
+        variables
+            .trainable_variables
+            .iter()
+            .for_each(|var| visit(&var.tensor))
     });
-    known
 }
 
 /// The device blocks of the watched tensors on CUDA device `device` (for timelines, which tell
@@ -97,7 +150,7 @@ pub fn known_bytes(device: Device) -> Known {
 pub(crate) fn storages(device: i64) -> Vec<Storage> {
     let device = Device::Cuda(device as usize);
     let mut found = Vec::new();
-    each_watched(|tensor, category| {
+    each_watched(Locking::Wait, |tensor, category| {
         // Watched tensors are whole storages (a VarStore's variables, their gradients, a
         // batch), so their data pointer is their block's address.
         if tensor.defined() && tensor.device() == device {

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::estimate::ParamShape;
 use crate::memory::MemoryRecord;
 
 /// The MIME type of a [`CompareRun`] in a cell's outputs (taken out by the kernel).
@@ -30,6 +31,26 @@ pub struct CompareRun {
     pub allocated_after_step: Option<u64>,
     /// The memory record at the end of the last step (categories of watched VarStores).
     pub at_last_step: Option<MemoryRecord>,
+    /// The trainable parameters of the watched VarStores at the first step, from which the
+    /// kernel computes parameter, gradient and optimizer-state bytes exactly (the stores are
+    /// gone by the time the run finishes).
+    #[serde(default)]
+    pub parameters: Vec<ParamShape>,
+    /// The highest allocated bytes within each phase of the training step over the whole run,
+    /// from the `tchmem::phase` markers (CUDA only, and only when the loop has markers).
+    #[serde(default)]
+    pub phase_peaks: Option<PhasePeaks>,
+}
+
+/// Peak allocated bytes per phase of a training step, over a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhasePeaks {
+    /// From `phase::forward` to `phase::step`: the forward pass, the loss and the backward pass,
+    /// where activations and gradients meet.
+    pub forward_backward: u64,
+    /// From `phase::step` to `phase::end`: the optimizer step, where its state and temporaries
+    /// meet the gradients.
+    pub step: u64,
 }
 
 impl CompareRun {

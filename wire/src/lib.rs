@@ -6,6 +6,7 @@
 //! they all depend on.
 
 pub mod compare;
+pub mod estimate;
 pub mod memory;
 mod slot;
 pub mod timeline;

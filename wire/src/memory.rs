@@ -66,6 +66,22 @@ pub struct OomEvent {
     pub device_total: u64,
     /// Free device memory at that moment.
     pub device_free: u64,
+    /// The allocator's allocated bytes at that moment.
+    #[serde(default)]
+    pub allocated: Option<u64>,
+    /// The allocator's reserved bytes at that moment (allocated + cached).
+    #[serde(default)]
+    pub reserved: Option<u64>,
+    /// Bytes of the watched stores' variables on the device; `None` when the watched tensors
+    /// were busy (the observer never waits for a lock).
+    #[serde(default)]
+    pub parameters: Option<u64>,
+    /// Bytes of their defined gradients (as `parameters`).
+    #[serde(default)]
+    pub gradients: Option<u64>,
+    /// Bytes of the watched input batch (as `parameters`).
+    #[serde(default)]
+    pub input_batch: Option<u64>,
 }
 
 impl CudaMemory {

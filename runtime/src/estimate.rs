@@ -1,0 +1,80 @@
+//! The shapes an estimate of a loop's memory ("will it fit?") is computed from: a VarStore's
+//! trainable parameters, sized with `tchmem_wire::estimate` (parameter, gradient and optimizer
+//! state bytes, exactly).
+
+use tch::nn::VarStore;
+use tch::Tensor;
+
+pub use tchmem_wire::estimate::{
+    tensor_bytes, DeviceRoom, OptimizerRule, ParamShape, DEVICE_ROOM_MIME,
+};
+
+/// The shape and element size of a tensor.
+fn shape(tensor: &Tensor) -> ParamShape {
+    ParamShape {
+        dims: tensor.size(),
+        element_size: tensor.kind().elt_size_in_bytes() as u64,
+    }
+}
+
+/// The trainable variables of `vs`, the ones its optimizer keeps state for.
+pub fn shapes(vs: &VarStore) -> Vec<ParamShape> {
+    vs.trainable_variables().iter().map(shape).collect()
+}
+
+/// Where the trainable variables of every live watched store (`tchmem::watch`) are.
+pub(crate) fn watched_addresses() -> std::collections::HashSet<usize> {
+    let mut addresses = std::collections::HashSet::new();
+    crate::watch::each_trainable(|tensor| {
+        addresses.insert(tensor.data_ptr() as usize);
+    });
+    addresses
+}
+
+/// The trainable variables of every live watched store (`tchmem::watch`) but those at
+/// `existing` (the addresses of models that were there before).
+pub(crate) fn watched_shapes(existing: &std::collections::HashSet<usize>) -> Vec<ParamShape> {
+    let mut shapes = Vec::new();
+    crate::watch::each_trainable(|tensor| {
+        if !existing.contains(&(tensor.data_ptr() as usize)) {
+            shapes.push(shape(tensor))
+        }
+    });
+    shapes
+}
+
+/// The device's room now: what `%memestimate`, `%memfit` and `%%optimize --fit` fit into.
+/// Shown to the kernel as [`DEVICE_ROOM_MIME`]; `None` inside without CUDA.
+pub fn room() -> Room {
+    let device = crate::record::DEVICE;
+    let measured = || -> Result<DeviceRoom, String> {
+        let stats = crate::cuda_stats::device_stats(device)?;
+        let (free, total) = crate::cuda_stats::memory_info(device)?;
+        Ok(DeviceRoom {
+            total,
+            free,
+            reserved: stats.current.reserved,
+            allocated: stats.current.allocated,
+            fraction: crate::cuda_stats::memory_fraction().unwrap_or(1.0),
+            context: crate::nvml::process_bytes(device as u32)
+                .ok()
+                .map(|process| process.saturating_sub(stats.current.reserved)),
+        })
+    };
+    Room(
+        tch::Cuda::is_available()
+            .then(measured)
+            .and_then(Result::ok),
+    )
+}
+
+/// The device's room, or `None` without CUDA.
+pub struct Room(pub Option<DeviceRoom>);
+
+impl Room {
+    /// evcxr's hook for showing a cell's value.
+    pub fn evcxr_display(&self) {
+        let json = serde_json::to_string(&self.0).unwrap_or_default();
+        println!("EVCXR_BEGIN_CONTENT {DEVICE_ROOM_MIME}\n{json}\nEVCXR_END_CONTENT");
+    }
+}
