@@ -9,6 +9,7 @@ mod cell_syntax;
 mod child;
 mod cli;
 mod engine;
+mod fit;
 mod install;
 mod kernel;
 mod libtorch;

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import execute, outputs, result_text
+from conftest import execute, outputs, result_text, stream_text
 
 pytestmark = pytest.mark.gpu
 
@@ -190,3 +190,100 @@ def test_memprofile_draws_a_training_steps_timeline_and_names_the_cell_lines(gpu
         snapshot = pickle.load(f)
     allocs = sum(e["action"] == "alloc" for t in snapshot["device_traces"] for e in t)
     assert f"{allocs} allocations" in text, (allocs, text)
+
+
+# A training cell for the "will it fit?" magics: the batch bound as a literal, the model made in
+# the cell (in a block: nothing stays allocated), 8 layers of 4096.
+FIT_LOOP = """{
+    let batch_size: i64 = 1024;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let mut model = nn::seq();
+    for i in 0..8 {
+        model = model.add(nn::linear(vs.root() / i, 4096, 4096, Default::default())).add_fn(|x| x.relu());
+    }
+    let mut opt = nn::Adam::default().build(&vs, 1e-4).unwrap();
+    let xs = Tensor::randn([batch_size, 4096], (Kind::Float, Device::Cuda(0)));
+    let ys = Tensor::randn([batch_size, 4096], (Kind::Float, Device::Cuda(0)));
+    for _ in 0..3 {
+        let loss = model.forward(&xs).mse_loss(&ys, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+}"""
+ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
+TRIALS_MIME = "application/vnd.tchmem.trials+json"
+
+
+def shown(messages, mime):
+    return [d["data"][mime] for d in outputs(messages, "display_data") + outputs(messages, "update_display_data")
+            if mime in d["data"]]
+
+
+@pytest.mark.parametrize("flags", ["", "--checkpoint", "--amp bf16", "--accumulate 4"])
+def test_memestimate_predicts_the_measured_peak_within_5_percent(gpu, flags):
+    reply, messages = execute(gpu, f"%memestimate --batch 8192 {flags} --check\n{FIT_LOOP}", timeout=600)
+    assert reply["status"] == "ok", reply
+    (estimate,) = shown(messages, ESTIMATE_MIME)
+    predicted, measured = estimate["peak_allocated"], estimate["measured_peak_allocated"]
+    assert measured, estimate
+    assert abs(predicted - measured) / measured <= 0.05, (flags, predicted, measured)
+    # The fixed terms are exact: 8 × (4096² + 4096) f32 parameters, Adam's two moments.
+    categories = {c["name"]: c["bytes"] for c in estimate["categories"]}
+    parameters = 8 * (4096 * 4096 + 4096) * 4
+    assert categories["parameters"] == parameters
+    assert categories["optimizer_state"] == 2 * parameters + 4 * 16
+
+
+def test_memfit_finds_the_largest_batch_under_a_memory_fraction(gpu):
+    reply, _ = execute(gpu, "tchmem::cuda_stats::set_memory_fraction(0.1).unwrap();")
+    assert reply["status"] == "ok", reply
+    try:
+        reply, messages = execute(gpu, f"%memfit --margin 5%\n{FIT_LOOP}", timeout=600)
+        assert reply["status"] == "ok", reply
+        trials = shown(messages, TRIALS_MIME)[-1]["trials"]
+        assert len(trials) <= 8, trials
+        fits = [t["batch"] for t in trials if t["verdict"] == "fits"]
+        misses = [t["batch"] for t in trials if t["verdict"] != "fits"]
+        best, too_big = max(fits), min(b for b in misses if b > max(fits))
+        # The trials themselves bracket the maximum: within 5% of the largest batch that fits.
+        assert (too_big - 1 - best) / best <= 0.05, trials
+        # An OOM was told by the allocator, and the kernel went on to the next trial.
+        assert any(t["verdict"] in ("out of memory", "over the margin") for t in trials)
+        assert f"let batch_size = {best};" in stream_or_display_text(messages)
+    finally:
+        execute(gpu, "tchmem::cuda_stats::set_memory_fraction(1.0).unwrap();")
+
+
+def stream_or_display_text(messages):
+    texts = [d["data"].get("text/plain", "") for d in outputs(messages, "display_data") + outputs(messages, "update_display_data")]
+    return "\n".join(texts)
+
+
+def test_fit_picks_the_fastest_combination_that_fits(gpu):
+    reply, messages = execute(gpu, f"%%optimize --fit 3GiB --show\n{FIT_LOOP}", timeout=900)
+    assert reply["status"] == "ok", reply
+    (summary,) = [d for d in shown(messages, TRIALS_MIME) if "confirmed" in d]
+    confirmed = summary["confirmed"]
+    fitting = [c for c in confirmed if c["fits"]]
+    assert fitting, confirmed
+    winner = min(fitting, key=lambda c: c["measured_step_seconds"])
+    for c in fitting:
+        assert c["measured_peak_reserved"] + c["context"] <= 3 << 30
+    text = stream_or_display_text(messages)
+    assert f"The fastest that fits: {winner['rewrites'] or 'the loop as written'}" in text, text
+
+
+def test_an_oom_in_a_training_cell_is_diagnosed_with_fixes_and_the_kernel_stays_usable(gpu):
+    reply, _ = execute(gpu, "let g_before: i64 = 7;")
+    assert reply["status"] == "ok", reply
+    big = FIT_LOOP[1:-1].replace("let batch_size: i64 = 1024;", "let batch_size: i64 = 1 << 21;")
+    reply, _ = execute(gpu, big, timeout=300)
+    assert reply["status"] == "error" and reply["ename"] == "OutOfMemory", reply
+    text = reply["evalue"]
+    assert "Alive at the failure: parameters 512.1 MiB" in text, text
+    assert "What would make it fit" in text and "%%optimize --accumulate" in text, text
+    assert "let batch_size = " in text, text
+    reply, messages = execute(gpu, "g_before * 6")
+    assert reply["status"] == "ok" and result_text(messages) == "42"
+    reply, messages = execute(gpu, "%memfree")
+    assert reply["status"] == "ok" and "gave" in stream_text(messages), messages

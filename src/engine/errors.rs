@@ -6,6 +6,7 @@ mod compile;
 use evcxr::{CompilationError, Error as EvcxrError};
 
 use super::streams::{Leftovers, PanicReport};
+use crate::fit::diagnosis::{diagnose, FailedCell};
 use crate::report::format::human_bytes;
 use tchmem_wire::memory::MemoryRecord;
 
@@ -154,6 +155,11 @@ fn at_failure(cuda: &tchmem_wire::memory::CudaMemory) -> String {
     }
 }
 
+/// What a diagnosed OOM adds after its fixes.
+const OOM_KEPT: &str = "Variables defined in this cell were dropped; earlier ones are intact. \
+     `%%memprofile --stacks` on the cell shows the largest tensors alive at the failure and the \
+     lines that allocated them.";
+
 /// What to try, for both kinds of OOM.
 const OOM_ADVICE: &str = "Variables defined in this cell were dropped; earlier ones are intact. \
      To make it fit: see where memory goes in the summary below (tchmem::watch, tchmem::phase), \
@@ -164,13 +170,13 @@ const OOM_ADVICE: &str = "Variables defined in this cell were dropped; earlier o
 /// stood and what to try; any other error is returned unchanged. The allocator's OOM counter
 /// decides for CUDA; libtorch's message is the fallback (the process's first CUDA allocation
 /// fails before the allocator counts it, as measured on the H200) and the only signal on CPU.
-pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
+pub fn out_of_memory(error: CellError, record: &MemoryRecord, cell: &FailedCell) -> CellError {
     let counted = record.cuda.as_ref().map_or(0, |c| c.ooms);
     let said = exhausted_by_message(&error);
     let message = match (record.cuda.as_ref(), said) {
         (Some(cuda), _) if counted > 0 || said == Some(Exhausted::Cuda) => format!(
             "CUDA ran out of memory in this cell ({}). After the cell: allocated {}, reserved \
-             {}, device free {} of {}; the cell's peak allocation was {}.{}\n{OOM_ADVICE}",
+             {}, device free {} of {}; the cell's peak allocation was {}.{}\n{}",
             if counted > 0 {
                 format!(
                     "the allocator counted {counted} OOM{}",
@@ -185,6 +191,12 @@ pub fn out_of_memory(error: CellError, record: &MemoryRecord) -> CellError {
             human_bytes(cuda.device_total),
             human_bytes(cuda.peak.allocated),
             at_failure(cuda),
+            match cuda.oom_events.last() {
+                // The observer saw the failure: what was alive, and ranked fixes.
+                Some(event) if event.allocated.is_some() =>
+                    format!("{}\n{}", diagnose(event, cell).text(cell), OOM_KEPT),
+                _ => OOM_ADVICE.to_string(),
+            },
         ),
         (_, Some(Exhausted::Cpu)) => format!(
             "The CPU allocator could not get the memory this cell asked for (libtorch's \
@@ -315,12 +327,13 @@ mod tests {
                     requested: 2 << 30,
                     device_total: 80 << 30,
                     device_free: 1 << 29,
+                    ..Default::default()
                 }],
                 ..Default::default()
             }),
             ..Default::default()
         };
-        let oom = out_of_memory(panic.clone(), &record);
+        let oom = out_of_memory(panic.clone(), &record, &FailedCell::default());
         assert_eq!(oom.ename, "OutOfMemory");
         assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("of 80.0 GiB"));
         assert!(oom.evalue.contains("%%optimize"));
@@ -333,7 +346,7 @@ mod tests {
         assert!(oom.traceback.last().unwrap().contains("CUDA out of memory"));
         // Not counted (the process's first CUDA allocation): libtorch's message still tells.
         record.cuda.as_mut().unwrap().ooms = 0;
-        let oom = out_of_memory(panic.clone(), &record);
+        let oom = out_of_memory(panic.clone(), &record, &FailedCell::default());
         assert!(
             oom.evalue.contains("libtorch refused the allocation"),
             "{}",
@@ -341,7 +354,10 @@ mod tests {
         );
         // Neither counted nor said: the error stays what it was.
         let other = CellError::new("Panic", "index out of bounds");
-        assert_eq!(out_of_memory(other.clone(), &record), other);
+        assert_eq!(
+            out_of_memory(other.clone(), &record, &FailedCell::default()),
+            other
+        );
     }
 
     #[test]
@@ -351,7 +367,7 @@ mod tests {
             "Internal torch error: [enforce fail at alloc_cpu.cpp:121] data. \
              DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 bytes.",
         );
-        let oom = out_of_memory(panic, &MemoryRecord::default());
+        let oom = out_of_memory(panic, &MemoryRecord::default(), &FailedCell::default());
         assert_eq!(oom.ename, "OutOfMemory");
         assert!(oom.evalue.contains("CPU allocator"), "{}", oom.evalue);
     }

@@ -9,6 +9,7 @@ mod auto_watch;
 mod cell_opt;
 mod completion;
 mod errors;
+mod fit;
 mod infer;
 mod optimize;
 mod positions;

@@ -55,7 +55,7 @@ impl CodeOrigin {
 }
 
 /// The rewritten code as a rich output (a Rust code block, with what changed).
-fn code_display(flags: &str, code: &str, changes: &[Change]) -> Display {
+pub(super) fn code_display(flags: &str, code: &str, changes: &[Change]) -> Display {
     let changes_md: String = changes.iter().map(|c| format!("- {c}\n")).collect();
     let markdown =
         format!("**%%optimize {flags}** rewrote the cell:\n\n{changes_md}\n```rust\n{code}\n```\n");
@@ -74,7 +74,7 @@ fn code_display(flags: &str, code: &str, changes: &[Change]) -> Display {
 /// The cell that runs one instrumented version for `steps` steps, in a block so that it leaves
 /// no variables behind (whatever its last expression's type), and returns the measurements as
 /// its value. evcxr's `:` commands stay at the top of the cell, where evcxr reads them.
-fn compare_cell(instrumented: &str, steps: u32) -> String {
+pub(super) fn compare_cell(instrumented: &str, steps: u32) -> String {
     let (commands, code): (Vec<&str>, Vec<&str>) = instrumented
         .lines()
         .partition(|line| line.trim_start().starts_with(':'));
@@ -88,7 +88,7 @@ fn compare_cell(instrumented: &str, steps: u32) -> String {
 /// Why `--compare` would mislead on this cell, if it would: both runs must start from fresh
 /// weights, so the VarStore must be made in the cell (a model from an earlier cell would be
 /// trained by the first run and handed, trained, to the second).
-fn compare_misleads(body: &str) -> Option<String> {
+pub(super) fn compare_misleads(body: &str) -> Option<String> {
     (!body.contains("VarStore::new")).then(|| {
         "--compare runs the original and the rewritten loop one after the other, each from \
          fresh weights; this cell does not create its VarStore (nn::VarStore::new), so the \
@@ -147,6 +147,10 @@ impl Session {
             error: Some(error),
             ..Default::default()
         };
+        self.last_training_cell = Some(source.body.to_string());
+        if let Some(target) = request.fit {
+            return self.optimize_fit(target, request, source, io);
+        }
         let rewritten = match rewrite::rewrite(source.body, &request.options) {
             Ok(rewritten) => rewritten,
             Err(refusal) => return fail(refused(refusal, source.body_offset)),

@@ -21,8 +21,10 @@ use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 
 use crate::cell_syntax::{self, Syntax, Tail};
 use crate::magics::memprofile::MemProfileRequest;
+use crate::magics::optimize::OptimizeRequest;
 use crate::magics::{self, CellMagic, CellMagicSource, Magic, MagicReply, ProfileMode};
 use crate::report;
+use crate::rewrite;
 
 /// The id of the child process now running cells.
 fn child_pid(control: &Control) -> Option<u32> {
@@ -75,6 +77,19 @@ fn cell_magic_reply(reply: MagicReply) -> CellOutcome {
         error: magic_reply(reply, &mut help).err(),
         page: help_page(help),
         ..Default::default()
+    }
+}
+
+/// What the OOM diagnosis reads from a cell (only cells that could be training loops are parsed).
+fn failed_cell(code: &str) -> crate::fit::diagnosis::FailedCell {
+    if !code.contains("backward") {
+        return Default::default();
+    }
+    let facts = rewrite::training_facts(code);
+    crate::fit::diagnosis::FailedCell {
+        batch: rewrite::batch::find(code).ok(),
+        optimizer: facts.optimizer.map(|(name, _)| name),
+        trains: facts.trains,
     }
 }
 
@@ -181,6 +196,9 @@ pub struct Session {
     cell_opt: Option<cell_opt::CellOpt>,
     /// Timelines (`%%memprofile`, `%memprofile timeline on`), see [`Timelines`].
     timelines: Timelines,
+    /// The last cell with a training step that ran (failed ones too): what `%memestimate` and
+    /// `%memfit` act on when they are alone in their cell.
+    pub(super) last_training_cell: Option<String>,
     control: Arc<Control>,
 }
 
@@ -221,6 +239,7 @@ impl Session {
                 workdir: config.workdir.clone(),
                 ..Default::default()
             },
+            last_training_cell: None,
             control,
         };
         match create_context(&config) {
@@ -317,6 +336,8 @@ impl Session {
             return match magics::parse_cell(&source) {
                 Ok(CellMagic::Optimize(request)) => self.optimize(&request, &source, io),
                 Ok(CellMagic::MemProfile(request)) => self.memprofile(request, &source, io),
+                Ok(CellMagic::Estimate(request)) => self.memestimate(&request, &source, io),
+                Ok(CellMagic::Fit(args)) => self.memfit(&args, &source, io),
                 Err(reply) => cell_magic_reply(reply),
             };
         }
@@ -353,6 +374,10 @@ impl Session {
             None => std::borrow::Cow::Borrowed(code),
         };
         let code = code.as_ref();
+        // A cheap test first: every training step the rewriter knows calls `backward`.
+        if code.contains("backward") && rewrite::training_facts(code).trains {
+            self.last_training_cell = Some(code.to_string());
+        }
         let mut outcome = if code.trim().is_empty() {
             CellOutcome::default()
         } else {
@@ -429,6 +454,7 @@ impl Session {
             outcome.error = Some(errors::out_of_memory(
                 error,
                 record.as_ref().unwrap_or(&none),
+                &failed_cell(&code),
             ));
         }
         if let Some(record) = record {
@@ -504,6 +530,17 @@ impl Session {
                         "MagicError",
                         "%%memprofile records one run; %%optimize --compare makes two. Profile \
                          the rewritten loop without --compare (or each version in its own cell)."
+                            .to_string(),
+                    )),
+                    ..Default::default()
+                },
+                Ok(CellMagic::Optimize(OptimizeRequest { fit: Some(_), .. }))
+                | Ok(CellMagic::Estimate(_))
+                | Ok(CellMagic::Fit(_)) => CellOutcome {
+                    error: Some(CellError::new(
+                        "MagicError",
+                        "%%memprofile records one run; this magic runs the cell in several \
+                         trials. Profile the loop it chooses in a cell of its own."
                             .to_string(),
                     )),
                     ..Default::default()
@@ -643,13 +680,19 @@ impl Session {
                 let last = self.records.last().map(|(run, record)| (*run, record));
                 (io.output)(CellOutput::Display(report::summary_display(last)));
             }
+            Ok(Magic::Free) => show(self.memfree()?),
             Err(reply) => return magic_reply(reply, help),
         }
         Ok(())
     }
 
+    /// Cells run so far (for display ids that must differ between cells).
+    pub(super) fn runs(&self) -> usize {
+        self.runs
+    }
+
     /// Runs Rust code (and evcxr commands) in the context.
-    fn run_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
+    pub(super) fn run_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
         if std::mem::take(&mut self.child_restarted) {
             if let Some(setup) = self.child_setup {
                 // The first cell after evcxr's :restart can take the new child down again

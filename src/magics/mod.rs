@@ -5,6 +5,7 @@
 //! cell, if any, runs as usual. A cell magic (`%%optimize`) is the first line of its cell and
 //! takes the rest of the cell as its body: see [`cell_magic`].
 
+pub mod fit;
 pub mod memprofile;
 pub mod optimize;
 
@@ -36,6 +37,8 @@ pub enum Magic {
     History,
     /// `%memsummary`: the allocator's counters after the last cell, as a table.
     Summary,
+    /// `%memfree`: empty the allocator's cache.
+    Free,
 }
 
 /// What a magic line produced when it is not a magic to apply.
@@ -127,8 +130,12 @@ struct MemHistoryArgs {}
 )]
 struct MemSummaryArgs {}
 
-const MAGICS: &str =
-    "%memprofile, %memhistory, %memsummary, %memsnapshot, %%memprofile, %%optimize";
+const MAGICS: &str = "%memprofile, %memhistory, %memsummary, %memsnapshot, %memestimate, \
+                      %memfit, %memfree, %%memprofile, %%optimize";
+
+/// Line magics that act on the training cell below them (the rest of the cell), or, with
+/// nothing below, on the last training cell that ran.
+const TRAINING_CELL_MAGICS: [&str; 2] = ["%memestimate", "%memfit"];
 
 /// A cell magic and the code it applies to.
 #[derive(Debug, PartialEq, Eq)]
@@ -149,6 +156,10 @@ pub enum CellMagic {
     Optimize(optimize::OptimizeRequest),
     /// `%%memprofile …`: record the body's allocation timeline.
     MemProfile(memprofile::MemProfileRequest),
+    /// `%memestimate …`: predict the training cell's peak.
+    Estimate(fit::EstimateRequest),
+    /// `%memfit …`: find the largest batch that fits.
+    Fit(fit::FitRequest),
 }
 
 /// The cell magic of a cell whose first non-blank line starts with `%%`, if it has one.
@@ -161,7 +172,8 @@ pub fn cell_magic(cell: &str) -> Option<CellMagicSource<'_>> {
             None => (rest, None),
         };
         let trimmed = line.trim();
-        if trimmed.starts_with("%%") {
+        let name = trimmed.split_whitespace().next().unwrap_or_default();
+        if trimmed.starts_with("%%") || TRAINING_CELL_MAGICS.contains(&name) {
             return Some(CellMagicSource {
                 line: trimmed,
                 body: after.unwrap_or(""),
@@ -204,6 +216,8 @@ pub fn parse_cell(source: &CellMagicSource<'_>) -> Result<CellMagic, MagicReply>
             }
             Ok(CellMagic::MemProfile(request))
         }
+        "%memestimate" | "%%memestimate" => fit::parse_estimate(&args).map(CellMagic::Estimate),
+        "%memfit" | "%%memfit" => fit::parse_fit(&args).map(CellMagic::Fit),
         other => Err(MagicReply::Error(format!(
             "unknown cell magic {other}; tchmem knows %%memprofile and %%optimize (each takes \
              --help). Line magics ({MAGICS}) start with a single %."
@@ -242,6 +256,11 @@ pub fn parse(line: &str) -> Result<Magic, MagicReply> {
         "%memsummary" => MemSummaryArgs::try_parse_from(&args)
             .map(|_| Magic::Summary)
             .map_err(reply),
+        "%memfree" => fit::parse_free(&args).map(|_| Magic::Free),
+        "%memestimate" | "%memfit" => Err(MagicReply::Error(format!(
+            "{name} acts on a training cell: put it on the first line of the cell with the \
+             loop (or alone in a cell, for the last training cell that ran)"
+        ))),
         cell if cell.starts_with("%%") => Err(MagicReply::Error(format!(
             "{cell} is a cell magic: put it on the first line of the cell, above the code it \
              applies to"

@@ -28,6 +28,34 @@ pub enum OptimizerArg {
     Adafactor,
 }
 
+impl OptimizerArg {
+    /// The rewriter's choice for this value.
+    pub fn choice(self) -> OptimizerChoice {
+        match self {
+            OptimizerArg::Sgd => OptimizerChoice::Sgd,
+            OptimizerArg::Lion => OptimizerChoice::Lion,
+            OptimizerArg::AdamW8bit => OptimizerChoice::AdamW8bit,
+            OptimizerArg::Adafactor => OptimizerChoice::Adafactor,
+        }
+    }
+}
+
+/// The memory `--fit` must stay within.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FitTarget {
+    /// This many bytes of device memory (the loop's peak reserved plus the CUDA context).
+    Bytes(u64),
+    /// The device as it is now: what the allocator may still take, plus the context.
+    Device,
+}
+
+fn parse_fit_target(text: &str) -> Result<FitTarget, String> {
+    if text == "device" {
+        return Ok(FitTarget::Device);
+    }
+    crate::fit::parse_size(text).map(FitTarget::Bytes)
+}
+
 /// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
 /// and run it.
 ///
@@ -41,8 +69,8 @@ pub enum OptimizerArg {
     name = "%%optimize",
     no_binary_name = true,
     disable_version_flag = true,
-    after_help = "Example:\n  %%optimize --checkpoint --amp bf16 --accumulate 4\n  \
-                  %%optimize --optimizer adafactor --show"
+    after_help = "Examples:\n  %%optimize --checkpoint --amp bf16 --accumulate 4\n  \
+                  %%optimize --optimizer adafactor --show\n  %%optimize --fit 16GiB"
 )]
 pub struct OptimizeArgs {
     /// Recompute activations in the backward pass instead of keeping them (nn::seq models);
@@ -68,6 +96,17 @@ pub struct OptimizeArgs {
     /// their memory, time and loss side by side.
     #[arg(long, value_name = "STEPS")]
     pub compare: Option<u32>,
+    /// Find the fastest combination of the rewrites whose peak fits in SIZE (16GiB, 8GB, or
+    /// `device`: the device as it is now), by short trials: calibrate, rank by the estimator,
+    /// confirm the best at the cell's batch; then show the table and run the winner (or, with
+    /// --show, only show it). SIZE counts the loop's peak reserved bytes plus the CUDA context.
+    #[arg(
+        long,
+        value_name = "SIZE",
+        value_parser = parse_fit_target,
+        conflicts_with_all = ["checkpoint", "amp", "accumulate", "optimizer", "compare"]
+    )]
+    pub fit: Option<FitTarget>,
 }
 
 /// What `%%optimize` was asked to do.
@@ -79,6 +118,8 @@ pub struct OptimizeRequest {
     pub show: bool,
     /// Run original and rewritten for this many optimizer steps each and compare them.
     pub compare: Option<u32>,
+    /// Choose the rewrites by trials so that the loop fits (`--fit SIZE`).
+    pub fit: Option<FitTarget>,
 }
 
 impl OptimizeArgs {
@@ -114,17 +155,13 @@ impl OptimizeArgs {
                 AmpArg::F16 => Amp::F16,
             }),
             accumulate: self.accumulate,
-            optimizer: self.optimizer.map(|choice| match choice {
-                OptimizerArg::Sgd => OptimizerChoice::Sgd,
-                OptimizerArg::Lion => OptimizerChoice::Lion,
-                OptimizerArg::AdamW8bit => OptimizerChoice::AdamW8bit,
-                OptimizerArg::Adafactor => OptimizerChoice::Adafactor,
-            }),
+            optimizer: self.optimizer.map(OptimizerArg::choice),
         };
-        if options.is_empty() {
+        if options.is_empty() && self.fit.is_none() {
             return Err(
                 "%%optimize needs at least one rewrite: --checkpoint, --amp bf16|f16, \
-                        --accumulate K or --optimizer NAME (%%optimize --help explains each)"
+                        --accumulate K or --optimizer NAME, or --fit SIZE to choose them \
+                        (%%optimize --help explains each)"
                     .to_string(),
             );
         }
@@ -132,6 +169,7 @@ impl OptimizeArgs {
             options,
             show: self.show,
             compare: self.compare,
+            fit: self.fit,
         })
     }
 }
@@ -175,6 +213,14 @@ mod tests {
         );
         assert!(request.show);
         assert_eq!(request.compare, None);
+        assert_eq!(
+            parse("--fit 8GiB").unwrap().fit,
+            Some(FitTarget::Bytes(8 << 30))
+        );
+        assert_eq!(
+            parse("--fit device --show").unwrap().fit,
+            Some(FitTarget::Device)
+        );
         let request = parse("--checkpoint 3 --compare 20").unwrap();
         assert_eq!(request.options.checkpoint, Some(Some(3)));
         assert_eq!(request.compare, Some(20));
@@ -196,6 +242,7 @@ mod tests {
             "--optimizer",
             "--show",
             "--compare",
+            "--fit",
             "adamw8bit",
             "bf16",
         ] {
@@ -219,6 +266,8 @@ mod tests {
         assert!(error("--show").contains("at least one rewrite"));
         assert!(error("--amp bf16 --show --compare 3").contains("--show"));
         assert!(error("--accumulate many").contains("many"));
+        assert!(error("--fit 8GiB --amp bf16").contains("--amp"));
+        assert!(error("--fit lots").contains("16GiB"));
         assert!(error("--turbo").contains("--turbo"));
     }
 }

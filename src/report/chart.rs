@@ -69,11 +69,27 @@ fn legend<DB: DrawingBackend>(
 
 /// An SVG with one horizontal bar stacked by category and a legend with each category's bytes.
 pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, String> {
+    bar(title, categories, None)
+}
+
+/// [`stacked_bar`] against a capacity: the bar's scale reaches the larger of the two, and a
+/// vertical line marks the capacity (the device's memory, for an estimate).
+pub fn stacked_bar_against(
+    title: &str,
+    categories: &[Category],
+    capacity: u64,
+) -> Result<String, String> {
+    bar(title, categories, Some(capacity))
+}
+
+fn bar(title: &str, categories: &[Category], capacity: Option<u64>) -> Result<String, String> {
     let present = non_empty(categories);
     let total: u64 = present.iter().map(|(_, bytes)| bytes).sum();
+    let scale = total.max(capacity.unwrap_or(0));
     let (width, height) = (
         640u32,
-        96 + ROW_PX as u32 * present.len().div_ceil(2) as u32,
+        96 + ROW_PX as u32 * present.len().div_ceil(2) as u32
+            + if capacity.is_some() { 18 } else { 0 },
     );
     let mut svg = String::new();
     {
@@ -86,10 +102,10 @@ pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, Strin
         let span = (right - left) as f64;
         let mut x = left as f64;
         for (name, bytes) in &present {
-            let w = if total == 0 {
+            let w = if scale == 0 {
                 0.0
             } else {
-                *bytes as f64 / total as f64 * span
+                *bytes as f64 / scale as f64 * span
             };
             if w > 0.0 {
                 let rect = Rectangle::new(
@@ -100,11 +116,24 @@ pub fn stacked_bar(title: &str, categories: &[Category]) -> Result<String, Strin
             }
             x += w;
         }
+        if let Some(capacity) = capacity.filter(|_| scale > 0) {
+            let at = left + (capacity as f64 / scale as f64 * span).round() as i32;
+            root.draw(&PathElement::new(
+                [(at, top - 6), (at, top + bar + 6)],
+                BLACK.stroke_width(2),
+            ))
+            .map_err(|e| e.to_string())?;
+            let label = format!("capacity {}", human_bytes(capacity));
+            let x = (at - 150).max(left);
+            root.draw(&Text::new(label, (x, top + bar + 8), font(TEXT_PX)))
+                .map_err(|e| e.to_string())?;
+        }
         let entries: Vec<(CategoryName, String)> = present
             .iter()
             .map(|(name, bytes)| (*name, format!("{}: {}", name.label(), human_bytes(*bytes))))
             .collect();
-        legend(&root, &entries, left, top + bar + 14, width as i32)?;
+        let legend_top = top + bar + if capacity.is_some() { 32 } else { 14 };
+        legend(&root, &entries, left, legend_top, width as i32)?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)

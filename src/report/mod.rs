@@ -3,6 +3,7 @@
 
 mod chart;
 pub mod compare;
+pub mod fit;
 pub mod format;
 pub mod timeline;
 

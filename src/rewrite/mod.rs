@@ -15,6 +15,7 @@
 
 mod accumulate;
 mod amp;
+pub mod batch;
 mod cell;
 mod change;
 mod checkpoint;
@@ -268,5 +269,82 @@ fn isolated<T: Send + 'static>(
             None,
         )),
         Err(error) => Err(Refusal::new(error.to_string(), None)),
+    }
+}
+
+/// What the "will it fit?" magics read from a training cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrainingFacts {
+    /// Whether it has a training step `%%optimize` recognises.
+    pub trains: bool,
+    /// The optimizer it builds (the first, if several): tch's or tchmem's name, and its rule.
+    pub optimizer: Option<(String, OptimizerRule)>,
+}
+
+use tchmem_wire::estimate::OptimizerRule;
+
+/// Reads `src`'s training step and optimizer; a cell that does not parse has neither.
+pub fn training_facts(src: &str) -> TrainingFacts {
+    let src = src.to_owned();
+    let facts = parse_thread::run("tchmem-facts", STACK_BYTES, move || {
+        let Ok(cell) = cell::parse(&src) else {
+            return TrainingFacts::default();
+        };
+        let tree = tree::Tree::of(&cell.block);
+        let optimizer = optimizer::builds(&tree)
+            .into_iter()
+            .find_map(|build| rule_of(&build.config));
+        TrainingFacts {
+            trains: step::the_step(&tree, "%memfit").is_ok(),
+            optimizer,
+        }
+    });
+    facts.unwrap_or_default()
+}
+
+/// The rule of an optimizer configuration, and its name.
+fn rule_of(config: &optimizer::Config) -> Option<(String, OptimizerRule)> {
+    let (name, rule) = match config {
+        // tch's SGD and RMSprop keep momentum only when configured (the defaults have none).
+        optimizer::Config::Nn { name, customised } => match name.as_str() {
+            "Adam" | "adam" => ("Adam", OptimizerRule::Adam),
+            "AdamW" | "adamw" => ("AdamW", OptimizerRule::AdamW),
+            "Sgd" | "sgd" => (
+                "Sgd",
+                OptimizerRule::Sgd {
+                    momentum: *customised,
+                },
+            ),
+            "RmsProp" | "rms_prop" => (
+                "RmsProp",
+                OptimizerRule::RmsProp {
+                    momentum: *customised,
+                    centered: false,
+                },
+            ),
+            _ => return None,
+        },
+        optimizer::Config::Tchmem(name) => match name.as_str() {
+            "Adam" => ("Adam", OptimizerRule::Adam),
+            "AdamW" => ("AdamW", OptimizerRule::AdamW),
+            "Sgd" => ("Sgd", OptimizerRule::Sgd { momentum: true }),
+            "Lion" => ("Lion", OptimizerRule::Lion),
+            "AdamW8bit" => ("AdamW8bit", OptimizerRule::AdamW8bit),
+            "Adafactor" => ("Adafactor", OptimizerRule::Adafactor),
+            _ => return None,
+        },
+    };
+    Some((name.to_string(), rule))
+}
+
+impl OptimizerChoice {
+    /// The state rule of the optimizer this choice builds (with tchmem's defaults).
+    pub fn rule(self) -> OptimizerRule {
+        match self {
+            OptimizerChoice::Sgd => OptimizerRule::Sgd { momentum: true },
+            OptimizerChoice::Lion => OptimizerRule::Lion,
+            OptimizerChoice::AdamW8bit => OptimizerRule::AdamW8bit,
+            OptimizerChoice::Adafactor => OptimizerRule::Adafactor,
+        }
     }
 }

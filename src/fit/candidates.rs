@@ -1,0 +1,222 @@
+//! `%%optimize --fit`'s candidates: combinations of the rewrites, predicted from calibrations and
+//! ranked, fitting ones first, fastest first.
+
+use tchmem_wire::estimate::OptimizerRule;
+
+use super::estimate::{Calibration, Prediction, Scenario};
+use crate::rewrite::{Amp, OptimizerChoice, Options};
+
+/// What a candidate changes apart from accumulation and the optimizer: the rewrites that need
+/// their own calibration (they change what the forward pass keeps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Base {
+    /// Activation checkpointing.
+    pub checkpoint: bool,
+    /// bf16 autocast.
+    pub bf16: bool,
+}
+
+impl Base {
+    /// The four bases `--fit` calibrates.
+    pub const ALL: [Base; 4] = [
+        Base {
+            checkpoint: false,
+            bf16: false,
+        },
+        Base {
+            checkpoint: true,
+            bf16: false,
+        },
+        Base {
+            checkpoint: false,
+            bf16: true,
+        },
+        Base {
+            checkpoint: true,
+            bf16: true,
+        },
+    ];
+
+    /// The rewrites of this base.
+    pub fn options(self) -> Options {
+        Options {
+            checkpoint: self.checkpoint.then_some(None),
+            amp: self.bf16.then_some(Amp::Bf16),
+            ..Options::default()
+        }
+    }
+}
+
+/// The optimizers `--fit` may swap in, with their rules.
+pub const OPTIMIZERS: [(OptimizerChoice, OptimizerRule); 3] = [
+    (OptimizerChoice::Adafactor, OptimizerRule::Adafactor),
+    (OptimizerChoice::AdamW8bit, OptimizerRule::AdamW8bit),
+    (OptimizerChoice::Lion, OptimizerRule::Lion),
+];
+
+/// Micro-batch counts `--fit` tries.
+pub const ACCUMULATE: [u64; 5] = [1, 2, 4, 8, 16];
+
+/// One combination and its prediction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// The rewrites (empty: the loop as written).
+    pub options: Options,
+    /// The prediction at the cell's batch.
+    pub prediction: Prediction,
+    /// Whether the prediction stays within the budget.
+    pub fits: bool,
+}
+
+impl Candidate {
+    /// How many rewrites it applies (fewer is preferred at equal speed).
+    pub fn changes(&self) -> usize {
+        let o = &self.options;
+        o.checkpoint.is_some() as usize
+            + o.amp.is_some() as usize
+            + o.accumulate.is_some() as usize
+            + o.optimizer.is_some() as usize
+    }
+}
+
+/// Every combination of the calibrated bases with accumulation (up to the batch) and the
+/// optimizers (the cell's own, and the leaner ones), predicted at `batch` and ranked: those
+/// whose predicted peak reserved plus `context` stays within `budget` first, fastest first
+/// (within 2%, the one with fewer rewrites and the cell's own optimizer first); then the rest,
+/// smallest peak first.
+pub fn ranked(
+    calibrations: &[(Base, Calibration)],
+    cell_rule: &OptimizerRule,
+    batch: u64,
+    begin: u64,
+    budget: u64,
+    context: u64,
+) -> Vec<Candidate> {
+    let mut all = Vec::new();
+    for (base, calibration) in calibrations {
+        let optimizers = std::iter::once((None, cell_rule.clone()))
+            .chain(OPTIMIZERS.iter().map(|(c, r)| (Some(*c), r.clone())));
+        for (choice, rule) in optimizers {
+            for &k in ACCUMULATE.iter().filter(|&&k| k <= batch) {
+                let scenario = Scenario {
+                    batch,
+                    accumulate: k,
+                    rule: rule.clone(),
+                    begin,
+                };
+                let Some(prediction) = calibration.predict(&scenario) else {
+                    continue;
+                };
+                let options = Options {
+                    accumulate: (k > 1).then_some(k as u32),
+                    optimizer: choice,
+                    ..base.options()
+                };
+                let fits = prediction.peak_reserved + context <= budget;
+                all.push(Candidate {
+                    options,
+                    prediction,
+                    fits,
+                });
+            }
+        }
+    }
+    all.sort_by(|a, b| {
+        b.fits.cmp(&a.fits).then_with(|| {
+            if a.fits {
+                let (ta, tb) = (a.prediction.step_seconds, b.prediction.step_seconds);
+                if (ta - tb).abs() <= 0.02 * ta.min(tb) {
+                    a.changes().cmp(&b.changes()).then(ta.total_cmp(&tb))
+                } else {
+                    ta.total_cmp(&tb)
+                }
+            } else {
+                a.prediction.peak_reserved.cmp(&b.prediction.peak_reserved)
+            }
+        })
+    });
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit::estimate::tests::simulated;
+    use crate::fit::trial::Measured;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A calibration whose trials cost `scale` times the plain loop's activations and `speed`
+    /// times its step time.
+    fn calibration(scale: f64, speed: f64) -> Calibration {
+        let points = [8u64, 16]
+            .iter()
+            .map(|&b| {
+                let plain = simulated(b, 0, &OptimizerRule::Adam);
+                let fixed = plain.step.unwrap()
+                    - crate::fit::estimate::tests::shapes()
+                        .iter()
+                        .map(|s| s.bytes())
+                        .sum::<u64>();
+                let fb = fixed + ((plain.forward_backward.unwrap() - fixed) as f64 * scale) as u64;
+                let peak = fb.max(plain.step.unwrap());
+                (
+                    b,
+                    Measured {
+                        forward_backward: Some(fb),
+                        peak_allocated: peak,
+                        peak_reserved: peak + peak / 10,
+                        step_seconds: plain.step_seconds * speed,
+                        ..plain
+                    },
+                )
+            })
+            .collect();
+        Calibration {
+            points,
+            rule: OptimizerRule::Adam,
+        }
+    }
+
+    fn recorded() -> Vec<(Base, Calibration)> {
+        let [plain, checkpoint, bf16, both] = Base::ALL;
+        vec![
+            (plain, calibration(1.0, 1.0)),
+            (checkpoint, calibration(0.3, 1.3)),
+            (bf16, calibration(0.5, 0.6)),
+            (both, calibration(0.15, 0.8)),
+        ]
+    }
+
+    #[test]
+    fn the_fastest_fitting_combination_ranks_first() {
+        // Everything fits in a large budget: bf16 alone is the fastest.
+        let all = ranked(&recorded(), &OptimizerRule::Adam, 64, 0, 1 << 40, 0);
+        assert!(all.iter().all(|c| c.fits));
+        assert_eq!(all[0].options.flags(), "--amp bf16");
+        // The loop as written needs ~270 MiB at batch 64; with 200 MiB, bf16 alone does not fit
+        // (~170 MiB + cache): the ranking takes the fastest that does.
+        let budget = 200 * MIB;
+        let all = ranked(&recorded(), &OptimizerRule::Adam, 64, 0, budget, 0);
+        let first = &all[0];
+        assert!(first.fits, "{first:?}");
+        assert!(first.prediction.peak_reserved <= budget);
+        for other in all.iter().filter(|c| c.fits) {
+            assert!(
+                other.prediction.step_seconds >= first.prediction.step_seconds * 0.98,
+                "{} is faster than {}",
+                other.options.flags(),
+                first.options.flags()
+            );
+        }
+        // The ones that do not fit come last, smallest first.
+        let misses: Vec<&Candidate> = all.iter().filter(|c| !c.fits).collect();
+        assert!(!misses.is_empty());
+        assert!(misses
+            .windows(2)
+            .all(|w| w[0].prediction.peak_reserved <= w[1].prediction.peak_reserved));
+        // Accumulation is only tried up to the batch.
+        let small = ranked(&recorded(), &OptimizerRule::Adam, 2, 0, budget, 0);
+        assert!(small.iter().all(|c| c.options.accumulate.unwrap_or(1) <= 2));
+    }
+}

@@ -1,0 +1,305 @@
+//! What an out-of-memory failure says about the cell, and what would make it fit: the state at
+//! the failure (libtorch's OOM observer), where the bytes were, and ranked fixes with their
+//! predicted savings, each a line to paste.
+//!
+//! The savings are predictions from the bytes alive at the failure, not measurements: the
+//! failure stopped the step part-way, so the activations the step would still have made are
+//! unknown. The suggestions say so, and name the magics that measure (`%%optimize --fit`,
+//! `%memfit`).
+
+use tchmem_wire::memory::OomEvent;
+
+use crate::report::format::human_bytes;
+use crate::rewrite::batch::BatchBinding;
+
+/// The optimizer state per byte of (f32) parameters, by the cell's optimizer: Adam's two
+/// moments, one momentum buffer, none.
+fn state_per_parameter_byte(optimizer: Option<&str>) -> f64 {
+    match optimizer {
+        Some("Adam" | "AdamW") => 2.0,
+        Some("Sgd" | "RmsProp" | "Lion") => 1.0,
+        _ => 0.0,
+    }
+}
+
+/// Fragmentation worth a word: this much reserved but not allocated, and a tenth of what was
+/// reserved.
+const FRAGMENTED_BYTES: u64 = 1 << 30;
+
+/// What the kernel knows about the failed cell besides the event.
+#[derive(Debug, Clone, Default)]
+pub struct FailedCell {
+    /// The cell's batch-size binding, if it has one.
+    pub batch: Option<BatchBinding>,
+    /// Its optimizer's tch name (`Adam`, `AdamW`, `Sgd`, …), if it builds one.
+    pub optimizer: Option<String>,
+    /// Whether the cell has a training step `%%optimize` can rewrite.
+    pub trains: bool,
+}
+
+/// One fix, ranked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Suggestion {
+    /// The line to paste above the cell (or the binding to change).
+    pub line: String,
+    /// Predicted saving in bytes (an upper bound where the text says "up to").
+    pub saving: u64,
+    /// What the prediction rests on.
+    pub why: String,
+    /// Whether the saving covers the shortfall.
+    pub covers: bool,
+}
+
+/// The diagnosis of one failure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Diagnosis {
+    /// What was alive and where, at the failure, as lines.
+    pub state: Vec<String>,
+    /// The fixes, best first.
+    pub suggestions: Vec<Suggestion>,
+    /// Advice about fragmentation, if there was much.
+    pub fragmentation: Option<String>,
+}
+
+/// Explains `event` (the observer's last) for `cell`.
+pub fn diagnose(event: &OomEvent, cell: &FailedCell) -> Diagnosis {
+    let allocated = event.allocated.unwrap_or(0);
+    let reserved = event.reserved.unwrap_or(allocated);
+    let parameters = event.parameters.unwrap_or(0);
+    let gradients = event.gradients.unwrap_or(0);
+    let input = event.input_batch.unwrap_or(0);
+    let state = (parameters as f64 * state_per_parameter_byte(cell.optimizer.as_deref())) as u64;
+    // The request needed this much more than the device had free.
+    let shortfall = event.requested.saturating_sub(event.device_free);
+    let rest = allocated.saturating_sub(parameters + gradients + input);
+    // What the step made besides the model's own tensors (bounded by what is left).
+    let activations = rest.saturating_sub(state);
+    let mut lines = vec![format!(
+        "The failed request: {} with {} free of {} (the allocator's limit); {} allocated, {} \
+         reserved at that moment.",
+        human_bytes(event.requested),
+        human_bytes(event.device_free),
+        human_bytes(event.device_total),
+        human_bytes(allocated),
+        human_bytes(reserved),
+    )];
+    if event.allocated.is_some() {
+        let mut parts = Vec::new();
+        for (label, bytes) in [
+            ("parameters", parameters),
+            ("gradients", gradients),
+            ("input batch", input),
+        ] {
+            if bytes > 0 {
+                parts.push(format!("{label} {}", human_bytes(bytes)));
+            }
+        }
+        if state > 0 {
+            parts.push(format!(
+                "optimizer state ≈ {} ({}'s rule, once it has stepped)",
+                human_bytes(state),
+                cell.optimizer.as_deref().unwrap_or_default()
+            ));
+        }
+        parts.push(format!(
+            "activations and other tensors {}",
+            human_bytes(activations)
+        ));
+        lines.push(format!("Alive at the failure: {}.", parts.join(", ")));
+    }
+    let fragmentation = reserved.saturating_sub(allocated);
+    let fragmentation =
+        (fragmentation >= FRAGMENTED_BYTES && fragmentation * 10 >= reserved).then(|| {
+            format!(
+                "{} was reserved but not allocated at the failure (cached blocks too small or \
+                 split for the request). `%memfree` empties the cache; setting \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the kernel's environment \
+                 (then restarting it) lets segments grow instead of fragmenting.",
+                human_bytes(fragmentation)
+            )
+        });
+    let mut suggestions = Vec::new();
+    if cell.trains && activations > 0 {
+        let need = shortfall.max(1);
+        // bf16 halves the saved activations but keeps bf16 copies of the weights for backward.
+        let bf16 = (activations / 2).saturating_sub(parameters / 2);
+        if bf16 > 0 {
+            suggestions.push(Suggestion {
+                line: "%%optimize --amp bf16".into(),
+                saving: bf16,
+                why: "about half the activations, less the bf16 copies of the weights".into(),
+                covers: bf16 >= need,
+            });
+        }
+        if let Some(k) = [2u64, 4, 8, 16]
+            .into_iter()
+            .find(|k| activations - activations / k >= need)
+        {
+            let saving = activations - activations / k;
+            suggestions.push(Suggestion {
+                line: format!("%%optimize --accumulate {k}"),
+                saving,
+                why: format!("1/{k} of the activations per micro-batch, same effective batch"),
+                covers: true,
+            });
+        }
+        suggestions.push(Suggestion {
+            line: "%%optimize --checkpoint".into(),
+            saving: activations,
+            why: "up to the activations: only each segment's input is kept (costs a second \
+                  forward pass)"
+                .into(),
+            covers: activations >= need,
+        });
+        if state > 0 {
+            let saving = state - state / 100;
+            suggestions.push(Suggestion {
+                line: "%%optimize --optimizer adafactor".into(),
+                saving,
+                why: "the optimizer state, factored (a different optimizer)".into(),
+                covers: saving >= need,
+            });
+        }
+        if let Some(binding) = &cell.batch {
+            let per_sample = activations / binding.value.max(1);
+            if per_sample > 0 && binding.value > 1 {
+                let fewer = need.div_ceil(per_sample).max(1);
+                if fewer < binding.value {
+                    let batch = binding.value - fewer;
+                    suggestions.push(Suggestion {
+                        line: format!("let {} = {batch};", binding.name),
+                        saving: fewer * per_sample,
+                        why: format!(
+                            "{} of activations per sample at the failure (line {}); at least \
+                             this much smaller",
+                            human_bytes(per_sample),
+                            binding.line
+                        ),
+                        covers: true,
+                    });
+                }
+            }
+        }
+        // Covering fixes first; among them the order above (faster or exact ones first).
+        suggestions.sort_by_key(|s| !s.covers);
+    }
+    Diagnosis {
+        state: lines,
+        suggestions,
+        fragmentation,
+    }
+}
+
+impl Diagnosis {
+    /// The diagnosis as text, for the error's message.
+    pub fn text(&self, cell: &FailedCell) -> String {
+        let mut out = self.state.join("\n");
+        if let Some(advice) = &self.fragmentation {
+            out.push_str(&format!("\nFragmentation: {advice}"));
+        }
+        if !self.suggestions.is_empty() {
+            out.push_str(
+                "\nWhat would make it fit (predicted from the bytes alive at the failure; the \
+                 rest of the step is unknown):",
+            );
+            for (i, s) in self.suggestions.iter().enumerate() {
+                out.push_str(&format!(
+                    "\n  {}. {:<36} −{}{}  ({})",
+                    i + 1,
+                    s.line,
+                    human_bytes(s.saving),
+                    if s.covers { "" } else { ", not enough alone" },
+                    s.why
+                ));
+            }
+        }
+        if cell.trains {
+            out.push_str(
+                "\nTo measure instead of predict: `%%optimize --fit device` above this cell tries \
+                 the combinations in short trials and runs the fastest that fits; `%memfit` \
+                 finds the largest batch that fits.",
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn event() -> OomEvent {
+        OomEvent {
+            device: 0,
+            requested: 4 * GIB,
+            device_total: 16 * GIB,
+            device_free: GIB,
+            allocated: Some(14 * GIB),
+            reserved: Some(15 * GIB),
+            parameters: Some(GIB),
+            gradients: Some(GIB),
+            input_batch: None,
+        }
+    }
+
+    fn cell() -> FailedCell {
+        FailedCell {
+            batch: crate::rewrite::batch::find("let batch_size = 32;").ok(),
+            optimizer: Some("Adam".into()),
+            trains: true,
+        }
+    }
+
+    #[test]
+    fn an_oom_is_explained_with_ranked_fixes_that_cover_the_shortfall() {
+        let diagnosis = diagnose(&event(), &cell());
+        // 14 GiB allocated: 1 + 1 of model tensors, ≈ 2 of Adam state, 10 of activations; 3 GiB
+        // short.
+        let text = diagnosis.text(&cell());
+        assert!(
+            text.contains("activations and other tensors 10.0 GiB"),
+            "{text}"
+        );
+        assert!(text.contains("optimizer state ≈ 2.0 GiB"), "{text}");
+        let lines: Vec<&str> = diagnosis
+            .suggestions
+            .iter()
+            .map(|s| s.line.as_str())
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "%%optimize --amp bf16",
+                "%%optimize --accumulate 2",
+                "%%optimize --checkpoint",
+                "let batch_size = 22;",
+                "%%optimize --optimizer adafactor",
+            ]
+        );
+        assert!(diagnosis.suggestions[..4].iter().all(|s| s.covers));
+        assert!(!diagnosis.suggestions[4].covers);
+        assert!(text.contains("%%optimize --fit device"));
+        assert!(diagnosis.fragmentation.is_none());
+    }
+
+    #[test]
+    fn fragmentation_is_named_and_cells_that_do_not_train_get_no_rewrites() {
+        let fragmented = OomEvent {
+            reserved: Some(15 * GIB),
+            allocated: Some(12 * GIB),
+            ..event()
+        };
+        let plain = FailedCell::default();
+        let diagnosis = diagnose(&fragmented, &plain);
+        assert!(diagnosis.suggestions.is_empty());
+        let text = diagnosis.text(&plain);
+        assert!(
+            text.contains("3.0 GiB was reserved but not allocated"),
+            "{text}"
+        );
+        assert!(text.contains("expandable_segments"));
+        assert!(!text.contains("--fit"));
+    }
+}

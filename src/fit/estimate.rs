@@ -1,0 +1,397 @@
+//! The estimator: a configuration's peak memory and step time at a batch size, from exact fixed
+//! terms and two short trials at small batch sizes.
+//!
+//! Fixed terms are exact: parameters and gradients are the model's tensor bytes, optimizer state
+//! follows the optimizer's rule (`OptimizerRule::state_bytes`). What grows with the batch
+//! (activations, the batch itself, temporaries) is a line through the two trials' peaks above
+//! what the notebook held when they began, for the forward + backward phase and for the
+//! optimizer step apart (the step's peak barely grows with the batch, and at small batches it
+//! can be the larger one). The allocator's cache on top is scaled from the larger trial.
+
+use tchmem_wire::estimate::{tensor_bytes, OptimizerRule, ParamShape};
+use tchmem_wire::memory::{Category, CategoryName};
+
+use super::trial::Measured;
+
+/// Bytes that do not depend on the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fixed {
+    /// The trainable parameters.
+    pub parameters: u64,
+    /// Their gradients (same shapes and kinds).
+    pub gradients: u64,
+    /// The optimizer's state, by its rule.
+    pub optimizer_state: u64,
+}
+
+impl Fixed {
+    /// The fixed terms of a model trained with `rule`.
+    pub fn of(shapes: &[ParamShape], rule: &OptimizerRule) -> Fixed {
+        let parameters = tensor_bytes(shapes);
+        Fixed {
+            parameters,
+            gradients: parameters,
+            optimizer_state: rule.state_bytes(shapes),
+        }
+    }
+
+    /// All three.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state
+    }
+}
+
+/// A value that grows linearly with the batch, through measured points.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Line {
+    at: f64,
+    value: f64,
+    slope: f64,
+}
+
+impl Line {
+    /// Through two points; through one, with `floor` as its value at batch 0.
+    fn through(points: &[(f64, f64)], floor: f64) -> Option<Line> {
+        match points {
+            [(b, v)] => Some(Line {
+                at: *b,
+                value: *v,
+                slope: (v - floor).max(0.0) / b,
+            }),
+            [(b1, v1), (b2, v2), ..] if b2 != b1 => Some(Line {
+                at: *b1,
+                value: *v1,
+                slope: ((v2 - v1) / (b2 - b1)).max(0.0),
+            }),
+            _ => None,
+        }
+    }
+
+    fn value_at(&self, batch: f64) -> f64 {
+        (self.value + self.slope * (batch - self.at)).max(0.0)
+    }
+}
+
+/// Two (or one) trials of one configuration at small batch sizes, for the lines.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    /// (micro-batch size, what the trial measured), smaller batch first.
+    pub points: Vec<(u64, Measured)>,
+    /// The optimizer the trials ran with (the cell's).
+    pub rule: OptimizerRule,
+}
+
+/// The batch sizes to calibrate on for a target batch: a quarter and an eighth of it (small
+/// enough to fit when the target does not, large enough that activations outweigh the
+/// optimizer step's temporaries), at least 1 and 2.
+pub fn calibration_batches(target: u64) -> Vec<u64> {
+    let large = (target / 4).max(2);
+    let small = (large / 2).max(1);
+    if target <= 1 {
+        vec![1]
+    } else {
+        vec![small, large]
+    }
+}
+
+/// What to predict: the cell at `batch`, split into `accumulate` micro-batches, trained with
+/// `rule`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    /// The cell's batch size (the effective batch).
+    pub batch: u64,
+    /// Micro-batches per step (1: none).
+    pub accumulate: u64,
+    /// The optimizer.
+    pub rule: OptimizerRule,
+    /// Bytes the notebook holds when the loop starts.
+    pub begin: u64,
+}
+
+/// A predicted peak.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// The micro-batch each forward pass sees.
+    pub micro_batch: u64,
+    /// Bytes by category at the peak (the allocator's; the caller adds the CUDA context).
+    pub categories: Vec<Category>,
+    /// Peak allocated bytes, what the notebook held before included.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes: allocated plus the allocator's cache.
+    pub peak_reserved: u64,
+    /// Step time, in seconds (for K micro-batches, K forward + backward passes).
+    pub step_seconds: f64,
+}
+
+impl Calibration {
+    /// The fixed terms of this calibration's model under `rule`, if its trials saw the model.
+    pub fn fixed(&self, rule: &OptimizerRule) -> Option<Fixed> {
+        let shapes = &self.points.last()?.1.parameters;
+        (!shapes.is_empty()).then(|| Fixed::of(shapes, rule))
+    }
+
+    /// The prediction for `scenario`; `None` without a usable point.
+    pub fn predict(&self, scenario: &Scenario) -> Option<Prediction> {
+        let (_, largest) = self.points.last()?;
+        let own = self.fixed(&self.rule).unwrap_or_default();
+        let target = self.fixed(&scenario.rule).unwrap_or(own);
+        let accumulate = scenario.accumulate.max(1);
+        let micro = scenario.batch.div_ceil(accumulate).max(1);
+        let above = |value: u64, m: &Measured| value.saturating_sub(m.begin) as f64;
+        let line = |pick: fn(&Measured) -> Option<u64>, floor: f64| {
+            let points: Vec<(f64, f64)> = self
+                .points
+                .iter()
+                .map(|(b, m)| Some((*b as f64, above(pick(m)?, m))))
+                .collect::<Option<_>>()?;
+            Line::through(&points, floor)
+        };
+        let overall = line(|m| Some(m.peak_allocated), own.total() as f64)?;
+        let forward_backward = line(|m| m.forward_backward, own.total() as f64).unwrap_or(overall);
+        // The step's peak: its line where the loop marks phases; otherwise the overall line.
+        let step = line(|m| m.step, own.total() as f64);
+        let state_change = target.optimizer_state as f64 - own.optimizer_state as f64;
+        // With micro-batches, the gradients of the earlier ones are alive through the later
+        // ones' forward and backward passes (in a plain step, backward makes them as it frees
+        // activations): counted whole, so the prediction errs high.
+        let accumulated = if accumulate > 1 {
+            own.gradients as f64
+        } else {
+            0.0
+        };
+        let fb = forward_backward.value_at(micro as f64) + state_change + accumulated;
+        let st = step.map_or(0.0, |l| l.value_at(micro as f64) + state_change);
+        let loop_peak = fb.max(st).max(target.total() as f64).round() as u64;
+        // The cache grows with what the loop allocates.
+        let largest_above = above(largest.peak_allocated, largest).max(1.0);
+        let cache = largest.peak_reserved.saturating_sub(largest.peak_allocated) as f64
+            * (loop_peak as f64 / largest_above);
+        let seconds_points: Vec<(f64, f64)> = self
+            .points
+            .iter()
+            .map(|(b, m)| (*b as f64, m.step_seconds))
+            .collect();
+        let seconds = Line::through(&seconds_points, 0.0)
+            .map_or(largest.step_seconds, |l| l.value_at(micro as f64))
+            * accumulate as f64;
+        let peak_allocated = scenario.begin + loop_peak;
+        let categories = vec![
+            category(
+                CategoryName::Parameters,
+                target.parameters,
+                true,
+                "the model's trainable tensors",
+            ),
+            category(
+                CategoryName::Gradients,
+                target.gradients,
+                true,
+                "one gradient per parameter",
+            ),
+            category(
+                CategoryName::OptimizerState,
+                target.optimizer_state,
+                true,
+                &format!("{}'s rule", scenario.rule.label()),
+            ),
+            category(
+                CategoryName::Activations,
+                loop_peak.saturating_sub(target.total()),
+                false,
+                &format!(
+                    "activations, batch and temporaries at micro-batch {micro}: a line through \
+                     the calibration trials"
+                ),
+            ),
+            category(
+                CategoryName::Other,
+                scenario.begin,
+                true,
+                "held by the notebook before the loop",
+            ),
+            category(
+                CategoryName::Fragmentation,
+                cache.round() as u64,
+                false,
+                "the allocator's cache, scaled from the larger calibration trial",
+            ),
+        ];
+        Some(Prediction {
+            micro_batch: micro,
+            categories,
+            peak_allocated,
+            peak_reserved: peak_allocated + cache.round() as u64,
+            step_seconds: seconds,
+        })
+    }
+}
+
+fn category(name: CategoryName, bytes: u64, exact: bool, how: &str) -> Category {
+    Category {
+        name,
+        bytes,
+        exact,
+        how: how.to_string(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Four f32 matrices of 1024×1024 and their biases: 16 MiB + 16 KiB of parameters.
+    pub(crate) fn shapes() -> Vec<ParamShape> {
+        (0..4)
+            .flat_map(|_| {
+                [
+                    ParamShape {
+                        dims: vec![1024, 1024],
+                        element_size: 4,
+                    },
+                    ParamShape {
+                        dims: vec![1024],
+                        element_size: 4,
+                    },
+                ]
+            })
+            .collect()
+    }
+
+    /// A trial of a simulated loop: fixed terms, 3 MiB per sample in forward + backward, a step
+    /// with 1× the parameters of temporaries, and a cache of 10% of the loop's peak.
+    pub(crate) fn simulated(batch: u64, begin: u64, rule: &OptimizerRule) -> Measured {
+        let fixed = Fixed::of(&shapes(), rule);
+        let fb = fixed.total() + 3 * MIB * batch + MIB;
+        let step = fixed.total() + fixed.parameters;
+        let peak = fb.max(step);
+        Measured {
+            cuda: true,
+            begin,
+            peak_allocated: begin + peak,
+            peak_reserved: begin + peak + peak / 10,
+            forward_backward: Some(begin + fb),
+            step: Some(begin + step),
+            step_seconds: 0.01 + 0.002 * batch as f64,
+            losses: vec![1.0, 0.9, 0.8],
+            parameters: shapes(),
+        }
+    }
+
+    fn calibrated(batches: &[u64]) -> Calibration {
+        Calibration {
+            points: batches
+                .iter()
+                .map(|&b| (b, simulated(b, 5 * MIB, &OptimizerRule::Adam)))
+                .collect(),
+            rule: OptimizerRule::Adam,
+        }
+    }
+
+    fn scenario(batch: u64, accumulate: u64, rule: OptimizerRule) -> Scenario {
+        Scenario {
+            batch,
+            accumulate,
+            rule,
+            begin: 5 * MIB,
+        }
+    }
+
+    #[test]
+    fn fixed_terms_are_the_tensor_bytes_and_the_rule() {
+        let fixed = Fixed::of(&shapes(), &OptimizerRule::Adam);
+        assert_eq!(fixed.parameters, 16 * MIB + 16 * 1024);
+        assert_eq!(fixed.gradients, fixed.parameters);
+        // Two f32 moments, and tchmem's Adam keeps an f32 step count per tensor.
+        assert_eq!(fixed.optimizer_state, 2 * fixed.parameters + 4 * 8);
+        assert_eq!(
+            Fixed::of(&shapes(), &OptimizerRule::Lion).optimizer_state,
+            fixed.parameters
+        );
+    }
+
+    #[test]
+    fn a_linear_loop_is_predicted_exactly_from_two_small_trials() {
+        let calibration = calibrated(&calibration_batches(64));
+        let prediction = calibration
+            .predict(&scenario(64, 1, OptimizerRule::Adam))
+            .unwrap();
+        let truth = simulated(64, 5 * MIB, &OptimizerRule::Adam);
+        assert_eq!(prediction.peak_allocated, truth.peak_allocated);
+        let error = prediction.peak_reserved.abs_diff(truth.peak_reserved) as f64;
+        assert!(
+            error / (truth.peak_reserved as f64) < 0.01,
+            "{prediction:?}"
+        );
+        assert!((prediction.step_seconds - truth.step_seconds).abs() < 1e-9);
+        // The categories add up to the predicted allocated peak.
+        let sum: u64 = prediction
+            .categories
+            .iter()
+            .filter(|c| c.name != CategoryName::Fragmentation)
+            .map(|c| c.bytes)
+            .sum();
+        assert_eq!(sum, prediction.peak_allocated);
+    }
+
+    #[test]
+    fn at_small_batches_the_step_can_be_the_peak_and_the_line_still_holds() {
+        // At batch 1 and 2 the step's temporaries (16 MiB) outweigh 3-6 MiB of activations.
+        let calibration = calibrated(&[1, 2]);
+        let truth = simulated(32, 5 * MIB, &OptimizerRule::Adam);
+        let prediction = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert_eq!(prediction.peak_allocated, truth.peak_allocated);
+        // Without phase peaks, the overall line is flat there and says less.
+        let mut flat = calibration.clone();
+        for (_, m) in &mut flat.points {
+            m.forward_backward = None;
+            m.step = None;
+        }
+        let blind = flat.predict(&scenario(32, 1, OptimizerRule::Adam)).unwrap();
+        assert!(blind.peak_allocated < truth.peak_allocated);
+    }
+
+    #[test]
+    fn accumulation_and_another_optimizer_move_the_right_terms() {
+        let calibration = calibrated(&[8, 16]);
+        let plain = calibration
+            .predict(&scenario(64, 1, OptimizerRule::Adam))
+            .unwrap();
+        let split = calibration
+            .predict(&scenario(64, 4, OptimizerRule::Adam))
+            .unwrap();
+        assert_eq!(split.micro_batch, 16);
+        let fixed = Fixed::of(&shapes(), &OptimizerRule::Adam);
+        // 48 samples fewer in forward + backward, the gradients counted whole.
+        assert_eq!(
+            plain.peak_allocated - split.peak_allocated,
+            48 * 3 * MIB - fixed.gradients
+        );
+        assert!(split.step_seconds > plain.step_seconds);
+        let lion = calibration
+            .predict(&scenario(64, 1, OptimizerRule::Lion))
+            .unwrap();
+        assert_eq!(
+            plain.peak_allocated - lion.peak_allocated,
+            fixed.optimizer_state - Fixed::of(&shapes(), &OptimizerRule::Lion).optimizer_state
+        );
+    }
+
+    #[test]
+    fn one_trial_is_enough_for_a_line_from_the_fixed_terms() {
+        let calibration = calibrated(&[1]);
+        let prediction = calibration
+            .predict(&scenario(1, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert_eq!(
+            prediction.peak_allocated,
+            simulated(1, 5 * MIB, &OptimizerRule::Adam).peak_allocated
+        );
+        assert_eq!(calibration_batches(1), vec![1]);
+        assert_eq!(calibration_batches(64), vec![8, 16]);
+        assert_eq!(calibration_batches(3), vec![1, 2]);
+    }
+}

@@ -1,0 +1,80 @@
+//! One trial: the training cell run for a few optimizer steps at one batch size under one set of
+//! rewrites, and what it measured.
+
+use tchmem_wire::compare::CompareRun;
+use tchmem_wire::estimate::ParamShape;
+
+use crate::rewrite::Options;
+
+/// What a trial measured (CUDA: every byte count comes from the caching allocator).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Measured {
+    /// Whether the allocator's counters were there (CUDA); without them every byte count is 0
+    /// and only the parameters, times and losses are known.
+    pub cuda: bool,
+    /// Bytes allocated when the trial began (what the notebook already held).
+    pub begin: u64,
+    /// Peak allocated bytes over the trial.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes over the trial (what the allocator took from the device).
+    pub peak_reserved: u64,
+    /// Peak allocated bytes in forward + backward, when the loop marks its phases.
+    pub forward_backward: Option<u64>,
+    /// Peak allocated bytes in the optimizer step, when the loop marks its phases.
+    pub step: Option<u64>,
+    /// Median step time after the first step, in seconds.
+    pub step_seconds: f64,
+    /// The loss of each step.
+    pub losses: Vec<f64>,
+    /// The model's trainable parameters.
+    pub parameters: Vec<ParamShape>,
+}
+
+impl Measured {
+    /// The measurements of a compare run; `None` if it made no step.
+    pub fn of(run: &CompareRun) -> Option<Measured> {
+        Some(Measured {
+            cuda: run.peak_allocated.is_some(),
+            begin: run.allocated_at_begin.unwrap_or(0),
+            peak_allocated: run.peak_allocated.unwrap_or(0),
+            peak_reserved: run.peak_reserved.unwrap_or(0),
+            forward_backward: run.phase_peaks.as_ref().map(|p| p.forward_backward),
+            step: run.phase_peaks.as_ref().map(|p| p.step),
+            step_seconds: run.typical_step_seconds()?,
+            losses: run.losses.clone(),
+            parameters: run.parameters.clone(),
+        })
+    }
+}
+
+/// How a trial ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// It ran its steps.
+    Ran(Measured),
+    /// The allocator ran out of memory (its OOM counter or observer said so).
+    OutOfMemory,
+    /// Anything else: the error's name and first line.
+    Failed(String),
+}
+
+impl Outcome {
+    /// The measurements, if it ran.
+    pub fn measured(&self) -> Option<&Measured> {
+        match self {
+            Outcome::Ran(measured) => Some(measured),
+            _ => None,
+        }
+    }
+}
+
+/// One trial: which configuration, at which batch, and how it went.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trial {
+    /// The rewrites applied (empty: the loop as written).
+    pub options: Options,
+    /// The cell's batch size (with `--accumulate K`, each micro-batch is a K-th of it).
+    pub batch: u64,
+    /// How it went.
+    pub outcome: Outcome,
+}

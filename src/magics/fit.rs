@@ -1,0 +1,225 @@
+//! The "will it fit?" magics: `%memestimate`, `%memfit` (each on the training cell below it, or
+//! on the last training cell that ran) and `%memfree`.
+
+use clap::Parser;
+
+use super::optimize::{AmpArg, OptimizerArg};
+use super::MagicReply;
+use crate::fit::parse_percent;
+use crate::rewrite::{Amp, OptimizerChoice, Options};
+
+/// Predict the peak GPU memory of the training cell below (or of the last training cell that
+/// ran) at a batch size and with rewrites, without running it at that size: parameters,
+/// gradients and optimizer state exactly, activations from two short trials at small batch
+/// sizes, drawn against the device's capacity.
+///
+/// The cell must bind its batch size as an integer literal to a name with `batch` in it
+/// (`let batch_size: i64 = 16;`) and create its VarStore (the trials train fresh weights).
+#[derive(Parser, Debug)]
+#[command(
+    name = "%memestimate",
+    no_binary_name = true,
+    disable_version_flag = true,
+    after_help = "Examples:\n  %memestimate --batch 64\n  %memestimate --batch 64 --amp bf16 \
+                  --checkpoint --accumulate 4 --check"
+)]
+pub struct EstimateArgs {
+    /// The batch size to predict (default: the cell's own).
+    #[arg(long, value_name = "N")]
+    pub batch: Option<u64>,
+    /// With mixed precision (as `%%optimize --amp`).
+    #[arg(long, value_name = "KIND")]
+    pub amp: Option<AmpArg>,
+    /// With another optimizer (as `%%optimize --optimizer`): its state by its rule.
+    #[arg(long, value_name = "NAME")]
+    pub optimizer: Option<OptimizerArg>,
+    /// With activation checkpointing (as `%%optimize --checkpoint`).
+    #[arg(long)]
+    pub checkpoint: bool,
+    /// With K micro-batches per step (as `%%optimize --accumulate K`).
+    #[arg(long, value_name = "K")]
+    pub accumulate: Option<u32>,
+    /// Then run the cell at that batch (a short trial) and show the prediction's error.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// What `%memestimate` predicts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EstimateRequest {
+    /// The batch (None: the cell's).
+    pub batch: Option<u64>,
+    /// Rewrites that change what the forward pass keeps (calibrated with them applied).
+    pub calibrated: Options,
+    /// Micro-batches (predicted from the calibration's line).
+    pub accumulate: Option<u32>,
+    /// Optimizer (predicted by its rule).
+    pub optimizer: Option<OptimizerChoice>,
+    /// Measure the prediction with a trial at the batch.
+    pub check: bool,
+}
+
+/// Find the largest batch size the training cell below (or the last training cell that ran)
+/// fits with, by short trials: grow, then narrow, each trial a few optimizer steps at one batch
+/// size, shown as it runs. Out of memory is told by the allocator's own counter and observer.
+#[derive(Parser, Debug)]
+#[command(
+    name = "%memfit",
+    no_binary_name = true,
+    disable_version_flag = true,
+    after_help = "Examples:\n  %memfit\n  %memfit --margin 5% --keep-effective-batch"
+)]
+pub struct FitArgs {
+    /// Memory to keep free: a trial fits when its peak reserved bytes stay under the capacity
+    /// less this.
+    #[arg(long, value_name = "PERCENT", default_value = "10%", value_parser = parse_percent)]
+    pub margin: f64,
+    /// When the cell's batch does not fit, keep it as the effective batch: split it into the
+    /// fewest micro-batches that fit (`%%optimize --accumulate K`), confirmed by a trial.
+    #[arg(long)]
+    pub keep_effective_batch: bool,
+    /// Most trials of the search.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub max_trials: usize,
+    /// Optimizer steps per trial (the second has the optimizer's state).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub steps: u32,
+}
+
+/// Empty the CUDA caching allocator's cache (what is reserved but not allocated), and say how
+/// much it gave back to the device.
+#[derive(Parser, Debug)]
+#[command(name = "%memfree", no_binary_name = true, disable_version_flag = true)]
+pub struct FreeArgs {}
+
+fn amp(arg: AmpArg) -> Amp {
+    match arg {
+        AmpArg::Bf16 => Amp::Bf16,
+        AmpArg::F16 => Amp::F16,
+    }
+}
+
+/// Parses `%memestimate`'s arguments.
+pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
+    let parsed = EstimateArgs::try_parse_from(args).map_err(super::reply)?;
+    if parsed.batch == Some(0) {
+        return Err(MagicReply::Error(
+            "error: --batch 0: the batch size must be at least 1".into(),
+        ));
+    }
+    if let Some(k @ (0 | 1)) = parsed.accumulate {
+        return Err(MagicReply::Error(format!(
+            "error: --accumulate {k}: K is how many micro-batches each batch is split into; it \
+             must be at least 2"
+        )));
+    }
+    Ok(EstimateRequest {
+        batch: parsed.batch,
+        calibrated: Options {
+            checkpoint: parsed.checkpoint.then_some(None),
+            amp: parsed.amp.map(amp),
+            ..Options::default()
+        },
+        accumulate: parsed.accumulate,
+        optimizer: parsed.optimizer.map(OptimizerArg::choice),
+        check: parsed.check,
+    })
+}
+
+/// What `%memfit` was asked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitRequest {
+    /// Fraction of the capacity to keep free.
+    pub margin: f64,
+    /// Keep the cell's batch as the effective batch, with micro-batches.
+    pub keep_effective_batch: bool,
+    /// Most trials.
+    pub max_trials: usize,
+    /// Steps per trial.
+    pub steps: u32,
+}
+
+impl Eq for FitRequest {}
+
+/// Parses `%memfit`'s arguments.
+pub fn parse_fit(args: &[&str]) -> Result<FitRequest, MagicReply> {
+    let parsed = FitArgs::try_parse_from(args).map_err(super::reply)?;
+    if parsed.max_trials < 2 {
+        return Err(MagicReply::Error(
+            "error: --max-trials must be at least 2 (one to fit, one not to)".into(),
+        ));
+    }
+    if parsed.steps == 0 {
+        return Err(MagicReply::Error(
+            "error: --steps must be at least 1".into(),
+        ));
+    }
+    Ok(FitRequest {
+        margin: parsed.margin,
+        keep_effective_batch: parsed.keep_effective_batch,
+        max_trials: parsed.max_trials,
+        steps: parsed.steps,
+    })
+}
+
+/// Parses `%memfree`'s arguments.
+pub fn parse_free(args: &[&str]) -> Result<(), MagicReply> {
+    FreeArgs::try_parse_from(args)
+        .map(|_| ())
+        .map_err(super::reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(line: &str) -> Vec<&str> {
+        line.split_whitespace().collect()
+    }
+
+    #[test]
+    fn estimate_flags_split_into_calibrated_and_predicted_rewrites() {
+        let request = parse_estimate(&words(
+            "--batch 64 --amp bf16 --checkpoint --accumulate 4 --optimizer lion",
+        ))
+        .unwrap();
+        assert_eq!(request.batch, Some(64));
+        assert_eq!(request.calibrated.flags(), "--checkpoint --amp bf16");
+        assert_eq!(request.accumulate, Some(4));
+        assert_eq!(request.optimizer, Some(OptimizerChoice::Lion));
+        let Err(MagicReply::Error(zero)) = parse_estimate(&words("--batch 0")) else {
+            panic!()
+        };
+        assert!(zero.contains("at least 1"));
+        assert!(matches!(
+            parse_estimate(&words("--accumulate 1")),
+            Err(MagicReply::Error(_))
+        ));
+        assert!(
+            matches!(parse_estimate(&words("--help")), Err(MagicReply::Help(h)) if h.contains("--batch"))
+        );
+    }
+
+    #[test]
+    fn fit_flags_have_defaults_and_explain_mistakes() {
+        let args = parse_fit(&[]).unwrap();
+        assert_eq!((args.margin, args.max_trials, args.steps), (0.1, 8, 2));
+        assert!(!args.keep_effective_batch);
+        let args = parse_fit(&words("--margin 5% --keep-effective-batch")).unwrap();
+        assert_eq!(args.margin, 0.05);
+        assert!(args.keep_effective_batch);
+        let Err(MagicReply::Error(bad)) = parse_fit(&words("--margin lots")) else {
+            panic!()
+        };
+        assert!(bad.contains("10%"), "{bad}");
+        assert!(matches!(
+            parse_fit(&words("--max-trials 1")),
+            Err(MagicReply::Error(_))
+        ));
+        assert!(parse_free(&[]).is_ok());
+        assert!(matches!(
+            parse_free(&words("--all")),
+            Err(MagicReply::Error(_))
+        ));
+    }
+}

@@ -1,0 +1,366 @@
+//! Displays of the "will it fit?" magics: an estimate against the device's capacity, the live
+//! table of trials, and `--fit`'s ranking.
+
+use serde_json::{json, Map, Value};
+use tchmem_wire::memory::{Category, CategoryName};
+use tchmem_wire::Display;
+
+use super::chart;
+use super::escape;
+use super::format::human_bytes;
+use crate::fit::estimate::Prediction;
+use crate::fit::trial::{Outcome, Trial};
+
+/// The MIME type of an estimate's numbers (for tests and tools).
+pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
+/// The MIME type of a trial table's numbers.
+pub const TRIALS_MIME: &str = "application/vnd.tchmem.trials+json";
+
+/// A table: header and rows of cells, as HTML and as aligned text.
+pub struct Table {
+    /// Column names.
+    pub header: Vec<String>,
+    /// Rows.
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn html(&self) -> String {
+        let row = |cells: &[String], tag: &str| {
+            let cells: String = cells
+                .iter()
+                .map(|c| {
+                    format!(
+                        "<{tag} style='text-align:left;padding:2px 8px'>{}</{tag}>",
+                        escape(c)
+                    )
+                })
+                .collect();
+            format!("<tr>{cells}</tr>")
+        };
+        let body: String = self.rows.iter().map(|r| row(r, "td")).collect();
+        format!(
+            "<table style='border-collapse:collapse;font-family:sans-serif;font-size:13px'>\
+             {}{body}</table>",
+            row(&self.header, "th")
+        )
+    }
+
+    fn text(&self) -> String {
+        let columns = self.header.len();
+        let width = |i: usize| {
+            std::iter::once(&self.header)
+                .chain(&self.rows)
+                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
+                .max()
+                .unwrap_or(0)
+        };
+        let widths: Vec<usize> = (0..columns).map(width).collect();
+        std::iter::once(&self.header)
+            .chain(&self.rows)
+            .map(|r| {
+                r.iter()
+                    .zip(&widths)
+                    .map(|(c, w)| format!("{c:<w$}"))
+                    .collect::<Vec<_>>()
+                    .join("  ")
+                    .trim_end()
+                    .to_string()
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// A trial as a table row: number, batch, rewrites, verdict, peak reserved, step time, last
+/// loss.
+pub fn trial_row(n: usize, trial: &Trial, verdict: &str) -> Vec<String> {
+    let flags = trial.options.flags();
+    let (peak, time, loss) = match &trial.outcome {
+        Outcome::Ran(m) if m.cuda => (
+            human_bytes(m.peak_reserved),
+            format!("{:.1} ms", m.step_seconds * 1e3),
+            m.losses.last().map_or(String::new(), |l| format!("{l:.4}")),
+        ),
+        Outcome::Ran(m) => (
+            "— (no CUDA)".into(),
+            format!("{:.1} ms", m.step_seconds * 1e3),
+            m.losses.last().map_or(String::new(), |l| format!("{l:.4}")),
+        ),
+        _ => ("—".into(), "—".into(), String::new()),
+    };
+    vec![
+        n.to_string(),
+        trial.batch.to_string(),
+        if flags.is_empty() {
+            "as written".into()
+        } else {
+            flags
+        },
+        verdict.to_string(),
+        peak,
+        time,
+        loss,
+    ]
+}
+
+/// The columns of [`trial_row`].
+pub fn trial_header() -> Vec<String> {
+    [
+        "#",
+        "batch",
+        "rewrites",
+        "result",
+        "peak reserved",
+        "step",
+        "loss",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A table with a heading and lines of text under it, under a display id (for live updates).
+pub fn table_display(
+    heading: &str,
+    table: &Table,
+    lines: &[String],
+    numbers: Value,
+    id: Option<(&str, bool)>,
+) -> Display {
+    let mut data = Map::new();
+    let text = format!("{heading}\n{}\n{}", table.text(), lines.join("\n"));
+    data.insert(
+        "text/plain".into(),
+        Value::String(text.trim_end().to_string()),
+    );
+    let lines_html: String = lines
+        .iter()
+        .map(|l| format!("<div>{}</div>", escape(l)))
+        .collect();
+    data.insert(
+        "text/html".into(),
+        Value::String(format!(
+            "<div class='tchmem-fit'><b>{}</b>{}{lines_html}</div>",
+            escape(heading),
+            table.html()
+        )),
+    );
+    data.insert(TRIALS_MIME.into(), numbers);
+    Display {
+        data,
+        metadata: Map::new(),
+        display_id: id.map(|(id, _)| id.to_string()),
+        update: id.is_some_and(|(_, update)| update),
+    }
+}
+
+/// What an estimate is of and against.
+pub struct EstimateView<'a> {
+    /// What was predicted ("batch 64, --checkpoint, AdamW").
+    pub what: String,
+    /// The prediction.
+    pub prediction: &'a Prediction,
+    /// The CUDA context and library workspaces, measured.
+    pub context: u64,
+    /// The device's capacity: what the allocator may take, plus the context.
+    pub capacity: u64,
+    /// The calibration trials.
+    pub trials: &'a [Trial],
+    /// A trial at the predicted batch (`--check`), if one ran.
+    pub check: Option<&'a Trial>,
+}
+
+/// The verdict of an estimate, in words: whether it fits, by how much.
+pub fn verdict(total: u64, capacity: u64) -> String {
+    if total <= capacity {
+        format!(
+            "fits: {} of {} ({} to spare)",
+            human_bytes(total),
+            human_bytes(capacity),
+            human_bytes(capacity - total)
+        )
+    } else {
+        format!(
+            "does not fit: {} of {} ({} over)",
+            human_bytes(total),
+            human_bytes(capacity),
+            human_bytes(total - capacity)
+        )
+    }
+}
+
+/// An estimate: the predicted categories as a bar against the capacity, the verdict, the
+/// categories with how each was found, and the calibration trials.
+pub fn estimate_display(view: &EstimateView) -> Display {
+    let mut categories: Vec<Category> = view.prediction.categories.clone();
+    categories.push(Category {
+        name: CategoryName::CudaContext,
+        bytes: view.context,
+        exact: false,
+        how: "measured: NVML's process usage beyond the allocator".into(),
+    });
+    let total: u64 = categories.iter().map(|c| c.bytes).sum();
+    let verdict = verdict(total, view.capacity);
+    let title = format!("predicted peak, {}", view.what);
+    let svg = chart::stacked_bar_against(&title, &categories, view.capacity)
+        .unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let table = Table {
+        header: ["category", "bytes", "how"].map(String::from).to_vec(),
+        rows: CategoryName::ALL
+            .iter()
+            .filter_map(|name| categories.iter().find(|c| c.name == *name && c.bytes > 0))
+            .map(|c| {
+                vec![
+                    c.name.label().to_string(),
+                    human_bytes(c.bytes),
+                    format!("{}{}", if c.exact { "exact: " } else { "" }, c.how),
+                ]
+            })
+            .collect(),
+    };
+    let trials = Table {
+        header: trial_header(),
+        rows: view
+            .trials
+            .iter()
+            .enumerate()
+            .map(|(i, t)| trial_row(i + 1, t, "calibration"))
+            .collect(),
+    };
+    let step = format!(
+        "predicted step time {:.1} ms (micro-batch {})",
+        view.prediction.step_seconds * 1e3,
+        view.prediction.micro_batch
+    );
+    let measured = view.check.and_then(|t| t.outcome.measured());
+    let error = |predicted: u64, measured: u64| {
+        (predicted as f64 - measured as f64) / (measured.max(1) as f64)
+    };
+    let check = match (view.check, measured) {
+        (Some(_), Some(m)) => format!(
+            "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
+             reserved {} (predicted {}, {:+.1}%), step {:.1} ms (predicted {:.1} ms).",
+            human_bytes(m.peak_allocated),
+            human_bytes(view.prediction.peak_allocated),
+            error(view.prediction.peak_allocated, m.peak_allocated) * 100.0,
+            human_bytes(m.peak_reserved),
+            human_bytes(view.prediction.peak_reserved),
+            error(view.prediction.peak_reserved, m.peak_reserved) * 100.0,
+            m.step_seconds * 1e3,
+            view.prediction.step_seconds * 1e3,
+        ),
+        (Some(trial), None) => format!(
+            "\nChecked by a trial at the batch: it {}.",
+            match &trial.outcome {
+                Outcome::OutOfMemory => "ran out of memory".to_string(),
+                Outcome::Failed(why) => format!("failed ({why})"),
+                Outcome::Ran(_) => "ran".to_string(),
+            }
+        ),
+        (None, _) => String::new(),
+    };
+    let mut data = Map::new();
+    data.insert(
+        "text/plain".into(),
+        Value::String(format!(
+            "Estimate, {}: {verdict}\n{}\n{step}{check}\nCalibration trials:\n{}",
+            view.what,
+            table.text(),
+            trials.text()
+        )),
+    );
+    data.insert(
+        "text/html".into(),
+        Value::String(format!(
+            "<div class='tchmem-estimate'>{svg}<div><b>{}</b></div>{}<div>{}</div>{}\
+             <details><summary>calibration trials</summary>{}</details></div>",
+            escape(&verdict),
+            table.html(),
+            escape(&step),
+            if check.is_empty() {
+                String::new()
+            } else {
+                format!("<div><b>{}</b></div>", escape(check.trim()))
+            },
+            trials.html()
+        )),
+    );
+    data.insert(
+        ESTIMATE_MIME.into(),
+        json!({
+            "what": view.what,
+            "peak_allocated": view.prediction.peak_allocated,
+            "peak_reserved": view.prediction.peak_reserved,
+            "context": view.context,
+            "capacity": view.capacity,
+            "fits": total <= view.capacity,
+            "step_seconds": view.prediction.step_seconds,
+            "micro_batch": view.prediction.micro_batch,
+            "categories": categories,
+            "measured_peak_allocated": measured.map(|m| m.peak_allocated),
+            "measured_peak_reserved": measured.map(|m| m.peak_reserved),
+            "measured_step_seconds": measured.map(|m| m.step_seconds),
+            "checked": view.check.map(|t| match &t.outcome {
+                Outcome::Ran(_) => "ran".to_string(),
+                other => format!("{other:?}"),
+            }),
+        }),
+    );
+    Display {
+        data,
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit::estimate::{Calibration, Scenario};
+    use crate::fit::trial::Measured;
+    use tchmem_wire::estimate::OptimizerRule;
+
+    #[test]
+    fn an_estimate_shows_its_verdict_categories_and_capacity_line() {
+        let measured = crate::fit::estimate::tests::simulated(16, 0, &OptimizerRule::Adam);
+        let calibration = Calibration {
+            points: vec![
+                (
+                    8,
+                    crate::fit::estimate::tests::simulated(8, 0, &OptimizerRule::Adam),
+                ),
+                (16, measured.clone()),
+            ],
+            rule: OptimizerRule::Adam,
+        };
+        let prediction = calibration
+            .predict(&Scenario {
+                batch: 64,
+                accumulate: 1,
+                rule: OptimizerRule::Adam,
+                begin: 0,
+            })
+            .unwrap();
+        let trial = Trial {
+            options: Default::default(),
+            batch: 16,
+            outcome: Outcome::Ran(Measured { ..measured }),
+        };
+        let display = estimate_display(&EstimateView {
+            what: "batch 64".into(),
+            prediction: &prediction,
+            context: 500 << 20,
+            capacity: 1 << 30,
+            trials: std::slice::from_ref(&trial),
+            check: Some(&trial),
+        });
+        let text = display.data["text/plain"].as_str().unwrap();
+        assert!(text.contains("fits:"), "{text}");
+        assert!(text.contains("exact: Adam's rule"), "{text}");
+        assert!(text.contains("Checked by a trial at the batch"), "{text}");
+        let html = display.data["text/html"].as_str().unwrap();
+        assert!(html.contains("capacity 1.0 GiB"), "{html}");
+        assert!(html.contains("<svg"));
+        assert_eq!(display.data[ESTIMATE_MIME]["fits"], true);
+        assert_eq!(verdict(3, 2).split(':').next(), Some("does not fit"));
+    }
+}

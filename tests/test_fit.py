@@ -1,0 +1,120 @@
+"""The "will it fit?" magics through the real kernel, on CPU: %memestimate's fixed terms equal the
+tensor bytes of a known model (its trials run the real cell, at batch sizes the kernel chose),
+%memestimate alone acts on the last training cell, %memfit and %%optimize --fit say what a CPU
+cannot do and lose nothing, %memfree, and every mistake explained with the kernel still usable.
+The GPU side (predictions against measured peaks, the batch search under a memory fraction, an
+OOM's diagnosis) is tests/test_gpu.py's."""
+
+import json
+
+from conftest import execute, outputs, page_text, skip_on_cuda, stream_text
+
+ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
+TRIALS_MIME = "application/vnd.tchmem.trials+json"
+
+# 64·256 + 256 + 256·10 + 10 = 19_210 parameters, f32.
+PARAMETERS = (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+LOOP = """
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+let batch_size: i64 = 32;
+let vs = nn::VarStore::new(Device::Cpu);
+let model = nn::seq()
+    .add(nn::linear(vs.root() / "a", 64, 256, Default::default()))
+    .add_fn(|x| x.relu())
+    .add(nn::linear(vs.root() / "b", 256, 10, Default::default()));
+let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
+let xs = Tensor::randn([batch_size, 64], (Kind::Float, Device::Cpu));
+let ys = Tensor::randint(10, [batch_size], (Kind::Int64, Device::Cpu));
+for _ in 0..3 {
+    let loss = model.forward(&xs).cross_entropy_for_logits(&ys);
+    opt.backward_step(&loss);
+}
+println!("trained at {batch_size}");
+"""
+
+
+def displays(messages, mime):
+    return [d["data"][mime] for d in outputs(messages, "display_data") + outputs(messages, "update_display_data")
+            if mime in d["data"]]
+
+
+def test_estimate_fixed_terms_are_the_models_tensor_bytes(kernel):
+    _, kc = kernel
+    skip_on_cuda(kc)
+    reply, messages = execute(kc, "%memestimate --batch 256\n" + LOOP, timeout=600)
+    assert reply["status"] == "ok", reply
+    # The calibration trials ran the cell at batch sizes the kernel picked (an eighth and a
+    # quarter of 256), shown live in one display updated in place.
+    trials = displays(messages, TRIALS_MIME)
+    assert trials, messages
+    batches = [t["batch"] for t in trials[-1]["trials"]]
+    assert batches == [32, 64], trials[-1]
+    assert outputs(messages, "update_display_data"), "the trial table is updated in place"
+    # The trials' own output is not shown.
+    assert "trained at" not in stream_text(messages)
+    (estimate,) = displays(messages, ESTIMATE_MIME)
+    assert estimate["parameters"] == PARAMETERS
+    assert estimate["gradients"] == PARAMETERS
+    # Adam: two f32 moments per element (and tchmem's rule counts a 4-byte step per tensor).
+    assert estimate["optimizer_state"] == 2 * PARAMETERS + 4 * 4, estimate
+    assert "batch_size = 256" in estimate["what"] and "Adam" in estimate["what"]
+    # The cell's own variables were not touched: the trials ran in blocks.
+    reply, _ = execute(kc, "batch_size")
+    assert reply["status"] == "error", "a trial leaked the cell's variables"
+
+
+def test_estimate_alone_acts_on_the_last_training_cell_and_predicts_other_optimizers(kernel):
+    _, kc = kernel
+    skip_on_cuda(kc)
+    reply, messages = execute(kc, LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    assert "trained at 32" in stream_text(messages)
+    reply, messages = execute(kc, "%memestimate --optimizer adafactor", timeout=600)
+    assert reply["status"] == "ok", reply
+    (estimate,) = displays(messages, ESTIMATE_MIME)
+    assert "batch_size = 32" in estimate["what"] and "Adafactor" in estimate["what"]
+    # Adafactor's factored rule: rows + columns of each matrix, the biases whole.
+    assert estimate["optimizer_state"] == (64 + 256 + 256 + 256 + 10 + 10) * 4, estimate
+
+
+def test_memfit_and_fit_on_cpu_say_what_they_cannot_do_and_lose_nothing(kernel):
+    _, kc = kernel
+    skip_on_cuda(kc)
+    reply, messages = execute(kc, "%memfit\n" + LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    assert "no CUDA device" in stream_text(messages)
+    # --fit on CPU runs the loop as written, keeping its variables.
+    reply, messages = execute(kc, "%%optimize --fit 8GiB\n" + LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    text = stream_text(messages)
+    assert "no CUDA device" in text and "trained at 32" in text
+    reply, messages = execute(kc, "batch_size * 2")
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, "%memfree")
+    assert reply["status"] == "ok", reply
+    assert "nothing to free" in stream_text(messages)
+
+
+def test_fit_magics_explain_mistakes_and_the_kernel_continues(kernel):
+    _, kc = kernel
+    reply, _ = execute(kc, "%memfit --help")
+    assert reply["status"] == "ok"
+    assert "--keep-effective-batch" in page_text(reply)
+    reply, _ = execute(kc, "%memestimate --help")
+    assert "--accumulate" in page_text(reply)
+    reply, _ = execute(kc, "%memfit --margin lots\n" + LOOP)
+    assert reply["status"] == "error" and "10%" in reply["evalue"], reply
+    # No batch binding: it says what to write.
+    no_batch = LOOP.replace("let batch_size: i64 = 32;", "let batch_size: i64 = 16 * 2;")
+    reply, _ = execute(kc, "%memestimate\n" + no_batch)
+    assert reply["status"] == "error", reply
+    assert reply["ename"] == "RewriteRefused"
+    assert "integer literal" in reply["evalue"] and "line 4" in reply["evalue"], reply["evalue"]
+    # A VarStore from an earlier cell would be trained by the trials: refused.
+    reply, _ = execute(kc, "%memestimate\nlet batch = 4;\nfor _ in 0..2 { opt.backward_step(&loss); }")
+    assert reply["status"] == "error" and "VarStore" in reply["evalue"], reply
+    reply, _ = execute(kc, "%%optimize --fit 8GiB --amp bf16\n" + LOOP)
+    assert reply["status"] == "error" and "--amp" in reply["evalue"], reply
+    reply, messages = execute(kc, "1 + 1")
+    assert reply["status"] == "ok"
