@@ -146,7 +146,8 @@ fn exhausted_by_message(error: &CellError) -> Option<Exhausted> {
 fn at_failure(cuda: &tchmem_wire::memory::CudaMemory) -> String {
     match cuda.oom_events.last() {
         Some(event) => format!(
-            " The request that failed was for {}, with {} of {} free on the device.",
+            " The request that failed was for {}, with {} free on the device (the allocator's \
+             limit: {}).",
             human_bytes(event.requested),
             human_bytes(event.device_free),
             human_bytes(event.device_total)
@@ -193,8 +194,11 @@ pub fn out_of_memory(error: CellError, record: &MemoryRecord, cell: &FailedCell)
             at_failure(cuda),
             match cuda.oom_events.last() {
                 // The observer saw the failure: what was alive, and ranked fixes.
-                Some(event) if event.allocated.is_some() =>
-                    format!("{}\n{}", diagnose(event, cell).text(cell), OOM_KEPT),
+                Some(event) if event.allocated.is_some() => format!(
+                    "{}\n{}",
+                    diagnose(event, cell).text(cell),
+                    if cell.trains { OOM_KEPT } else { OOM_ADVICE }
+                ),
                 _ => OOM_ADVICE.to_string(),
             },
         ),
@@ -335,11 +339,11 @@ mod tests {
         };
         let oom = out_of_memory(panic.clone(), &record, &FailedCell::default());
         assert_eq!(oom.ename, "OutOfMemory");
-        assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("of 80.0 GiB"));
+        assert!(oom.evalue.contains("1 OOM)") && oom.evalue.contains("limit: 80.0 GiB"));
         assert!(oom.evalue.contains("%%optimize"));
         assert!(
             oom.evalue
-                .contains("was for 2.0 GiB, with 512.0 MiB of 80.0 GiB free"),
+                .contains("was for 2.0 GiB, with 512.0 MiB free on the device"),
             "{}",
             oom.evalue
         );

@@ -15,7 +15,8 @@ use super::session::Session;
 use super::streams::{CellOutput, StreamName};
 use super::{CellIo, CellOutcome, OutputSink};
 use crate::fit::candidates::{self, Base, Candidate};
-use crate::fit::estimate::{calibration_batches, Calibration, Fixed, Scenario};
+use crate::fit::diagnosis::measured_fixes;
+use crate::fit::estimate::{calibration_batches, fallback_batch, Calibration, Fixed, Scenario};
 use crate::fit::search::{self, Limits, Probe, Verdict};
 use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::magics::fit::{EstimateRequest, FitRequest};
@@ -31,6 +32,8 @@ use crate::rewrite::{self, Options, Refusal};
 /// Steps of a calibration or confirmation trial: the first creates the optimizer's state, the
 /// later ones run with it (and give a step time past the warm-up).
 const TRIAL_STEPS: u32 = 3;
+/// Trials one calibration may take (halving towards a batch that fits included).
+const MAX_CALIBRATION_TRIALS: usize = 6;
 /// Candidates `--fit` confirms by a trial at the cell's batch, at most.
 const CONFIRMATIONS: usize = 3;
 
@@ -260,8 +263,12 @@ impl Session {
         target: u64,
         table: &mut LiveTable,
     ) -> Result<Result<Calibration, String>, TrialError> {
-        let mut points = Vec::new();
-        for b in calibration_batches(target) {
+        let mut points: Vec<(u64, Measured)> = Vec::new();
+        let mut batches = calibration_batches(target);
+        let mut tried = 0;
+        while !batches.is_empty() && tried < MAX_CALIBRATION_TRIALS {
+            let b = batches.remove(0);
+            tried += 1;
             let trial = self.trial(cell, options, b, TRIAL_STEPS)?;
             table.push(
                 &trial,
@@ -269,6 +276,16 @@ impl Session {
             );
             match trial.outcome {
                 Outcome::Ran(measured) => points.push((b, measured)),
+                // Not even the smaller point fits: a quarter of it (far too large a batch is
+                // what an OOM diagnosis starts from).
+                Outcome::OutOfMemory if points.is_empty() && b > 1 => {
+                    batches.insert(0, (b / 4).max(1));
+                }
+                // The larger point did not fit: calibrate below the smaller one instead.
+                Outcome::OutOfMemory if !points.is_empty() => match fallback_batch(points[0].0) {
+                    Some(lower) => batches.push(lower),
+                    None => break,
+                },
                 other => {
                     return Ok(Err(format!(
                         "the calibration trial at batch {b} {}",
@@ -277,6 +294,12 @@ impl Session {
                 }
             }
         }
+        if points.is_empty() {
+            return Ok(Err(format!(
+                "no calibration trial fitted in {tried} trials"
+            )));
+        }
+        points.sort_by_key(|(b, _)| *b);
         Ok(Ok(Calibration {
             points,
             rule: cell.rule.unwrap_or(OptimizerRule::Sgd { momentum: false }),
@@ -313,6 +336,24 @@ impl Session {
         }
         what.push(rule.label().to_string());
         let what = what.join(", ");
+        // Refuse before any trial runs if the rewrites do not apply.
+        let full = Options {
+            accumulate: request.accumulate,
+            optimizer: request.optimizer,
+            ..request.calibrated.clone()
+        };
+        if !full.is_empty() {
+            if let Err(refusal) = rewrite::rewrite(&cell.code, &full) {
+                return fail(CellError::new(
+                    "RewriteRefused",
+                    format!(
+                        "%memestimate {} does not apply to this cell: {}",
+                        full.flags(),
+                        refusal.shifted(cell.offset)
+                    ),
+                ));
+            }
+        }
         let room = self.device_room();
         let mut table = LiveTable::new(
             format!("tchmem-estimate-{}", self.runs()),
@@ -370,11 +411,7 @@ impl Session {
             })
             .collect();
         let check = if request.check {
-            let options = Options {
-                accumulate: request.accumulate,
-                optimizer: request.optimizer,
-                ..request.calibrated.clone()
-            };
+            let options = full;
             match self.trial(&cell, &options, target, TRIAL_STEPS) {
                 Ok(trial) => {
                     table.push(&trial, &format!("check: {}", verdict_of(&trial.outcome)));
@@ -611,7 +648,7 @@ impl Session {
         // Confirm the fastest predicted to fit, one after the other, until CONFIRMATIONS of
         // them were tried (or all).
         let mut confirmed: Vec<(Candidate, Trial)> = Vec::new();
-        for candidate in ranked.iter().filter(|c| c.fits).take(CONFIRMATIONS) {
+        for candidate in diverse(&ranked, CONFIRMATIONS) {
             let trial = match self.trial(&cell, &candidate.options, batch, TRIAL_STEPS + 1) {
                 Ok(trial) => trial,
                 Err(TrialError::Stopped(outcome)) => return *outcome,
@@ -715,6 +752,56 @@ impl Session {
         self.run_cell_code(&rewritten.code, io)
     }
 
+    /// After a CUDA OOM in a training cell: two calibration trials at smaller batches and the
+    /// fixes they predict, as text for the error (`None` when the cell cannot be tried: no batch
+    /// binding, no VarStore of its own, no CUDA, or the trials did not run).
+    pub(super) fn measured_oom_fixes(&mut self, code: &str, output: &OutputSink) -> Option<String> {
+        let source = CellMagicSource {
+            line: "",
+            body: code,
+            body_offset: 0,
+        };
+        let cell = self.training_cell(&source, "the OOM diagnosis").ok()?;
+        let limit = self.device_room()?.allocator_limit();
+        let mut table = LiveTable::new(
+            format!("tchmem-oom-{}", self.runs()),
+            "The OOM, measured: short trials of the cell at smaller batches".into(),
+            Arc::clone(output),
+        );
+        let calibration =
+            match self.calibrate(&cell, &Options::default(), cell.binding.value, &mut table) {
+                Ok(Ok(calibration)) => calibration,
+                _ => return None,
+            };
+        let batches: Vec<String> = calibration
+            .points
+            .iter()
+            .map(|(b, _)| b.to_string())
+            .collect();
+        let begin = calibration.points.last()?.1.begin;
+        let rule = cell.rule.unwrap_or(OptimizerRule::Sgd { momentum: false });
+        let (needed, fixes) = measured_fixes(&calibration, &cell.binding, rule, begin, limit);
+        let mut text = format!(
+            "\nMeasured (trials at {} = {}, the table above): at {} the loop needs about {} \
+             reserved; the allocator may take {}.",
+            cell.binding.name,
+            batches.join(" and "),
+            cell.binding.value,
+            human_bytes(needed),
+            human_bytes(limit)
+        );
+        for (i, fix) in fixes.iter().enumerate() {
+            text.push_str(&format!(
+                "\n  {}. {:<36} {}{}",
+                i + 1,
+                fix.line,
+                fix.why,
+                if fix.covers { "" } else { ": does not fit" }
+            ));
+        }
+        Some(text)
+    }
+
     /// `%memfree`: empties the allocator's cache; what it gave back.
     pub(super) fn memfree(&mut self) -> Result<String, CellError> {
         let said = Arc::new(Mutex::new(String::new()));
@@ -763,6 +850,29 @@ impl Session {
             human_bytes(allocated)
         ))
     }
+}
+
+/// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the
+/// optimizer (the estimator predicts the same step time whatever the optimizer, so trials of
+/// several optimizers on one base tell less than trials of several bases).
+fn diverse(ranked: &[Candidate], n: usize) -> Vec<&Candidate> {
+    let fitting: Vec<&Candidate> = ranked.iter().filter(|c| c.fits).collect();
+    let shape = |c: &Candidate| Options {
+        optimizer: None,
+        ..c.options.clone()
+    };
+    let mut chosen: Vec<&Candidate> = Vec::new();
+    for candidate in &fitting {
+        if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
+            chosen.push(candidate);
+        }
+    }
+    for candidate in &fitting {
+        if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, *candidate)) {
+            chosen.push(candidate);
+        }
+    }
+    chosen
 }
 
 /// A configuration's name for people: its flags, or "as written".

@@ -382,7 +382,17 @@ impl Session {
             CellOutcome::default()
         } else {
             let padded = format!("{}{code}", "\n".repeat(skipped));
-            self.run_cell_code(&padded, io)
+            let output = Arc::clone(&io.output);
+            let mut outcome = self.run_cell_code(&padded, io);
+            // A training cell that ran out of CUDA memory: measure what would fit.
+            if let Some(error) = outcome.error.as_mut() {
+                if error.ename == "OutOfMemory" && code.contains("backward") {
+                    if let Some(fixes) = self.measured_oom_fixes(code, &output) {
+                        error.evalue.push_str(&fixes);
+                    }
+                }
+            }
+            outcome
         };
         if is_help_command(code) && outcome.error.is_none() {
             outcome.page = std::mem::take(&mut outcome.data);

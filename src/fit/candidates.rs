@@ -94,14 +94,14 @@ pub fn ranked(
 ) -> Vec<Candidate> {
     let mut all = Vec::new();
     for (base, calibration) in calibrations {
-        let optimizers = std::iter::once((None, cell_rule.clone()))
-            .chain(OPTIMIZERS.iter().map(|(c, r)| (Some(*c), r.clone())));
+        let optimizers = std::iter::once((None, *cell_rule))
+            .chain(OPTIMIZERS.iter().map(|(c, r)| (Some(*c), *r)));
         for (choice, rule) in optimizers {
             for &k in ACCUMULATE.iter().filter(|&&k| k <= batch) {
                 let scenario = Scenario {
                     batch,
                     accumulate: k,
-                    rule: rule.clone(),
+                    rule,
                     begin,
                 };
                 let Some(prediction) = calibration.predict(&scenario) else {

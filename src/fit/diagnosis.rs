@@ -7,8 +7,11 @@
 //! unknown. The suggestions say so, and name the magics that measure (`%%optimize --fit`,
 //! `%memfit`).
 
+use tchmem_wire::estimate::OptimizerRule;
 use tchmem_wire::memory::OomEvent;
 
+use super::candidates::OPTIMIZERS;
+use super::estimate::{Calibration, Scenario};
 use crate::report::format::human_bytes;
 use crate::rewrite::batch::BatchBinding;
 
@@ -69,14 +72,18 @@ pub fn diagnose(event: &OomEvent, cell: &FailedCell) -> Diagnosis {
     let gradients = event.gradients.unwrap_or(0);
     let input = event.input_batch.unwrap_or(0);
     let state = (parameters as f64 * state_per_parameter_byte(cell.optimizer.as_deref())) as u64;
-    // The request needed this much more than the device had free.
-    let shortfall = event.requested.saturating_sub(event.device_free);
+    // What the allocator could still have taken: the device's free memory, within its limit
+    // (a memory fraction, or the device's size).
+    let room = event
+        .device_free
+        .min(event.device_total.saturating_sub(reserved));
+    let shortfall = event.requested.saturating_sub(room);
     let rest = allocated.saturating_sub(parameters + gradients + input);
     // What the step made besides the model's own tensors (bounded by what is left).
     let activations = rest.saturating_sub(state);
     let mut lines = vec![format!(
-        "The failed request: {} with {} free of {} (the allocator's limit); {} allocated, {} \
-         reserved at that moment.",
+        "The failed request: {}, with {} free on the device and an allocator limit of {}; {} \
+         allocated, {} reserved at that moment.",
         human_bytes(event.requested),
         human_bytes(event.device_free),
         human_bytes(event.device_total),
@@ -114,8 +121,9 @@ pub fn diagnose(event: &OomEvent, cell: &FailedCell) -> Diagnosis {
                 "{} was reserved but not allocated at the failure (cached blocks too small or \
                  split for the request). `%memfree` empties the cache; setting \
                  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the kernel's environment \
-                 (then restarting it) lets segments grow instead of fragmenting.",
-                human_bytes(fragmentation)
+                 (then restarting it) lets segments grow instead of fragmenting ({}).",
+                human_bytes(fragmentation),
+                crate::report::EXPANDABLE_SEGMENTS_MEASURED
             )
         });
     let mut suggestions = Vec::new();
@@ -190,6 +198,74 @@ pub fn diagnose(event: &OomEvent, cell: &FailedCell) -> Diagnosis {
     }
 }
 
+/// Fixes measured, not guessed: from a calibration of the failed cell (two short trials at
+/// smaller batches, see [`crate::fit::estimate`]), the predicted peak of the loop as written at
+/// its batch, and of each fix the calibration can predict (a smaller batch, micro-batches, a
+/// leaner optimizer), against `limit` (what the allocator may reserve). Fitting ones first.
+pub fn measured_fixes(
+    calibration: &Calibration,
+    binding: &BatchBinding,
+    rule: OptimizerRule,
+    begin: u64,
+    limit: u64,
+) -> (u64, Vec<Suggestion>) {
+    let predict = |batch: u64, accumulate: u64, rule: OptimizerRule| {
+        calibration
+            .predict(&Scenario {
+                batch,
+                accumulate,
+                rule,
+                begin,
+            })
+            .map_or(u64::MAX, |p| p.peak_reserved)
+    };
+    let needed = predict(binding.value, 1, rule);
+    let mut fixes = Vec::new();
+    let mut push = |line: String, peak: u64, why: String| {
+        fixes.push(Suggestion {
+            line,
+            saving: needed.saturating_sub(peak),
+            why: format!("predicted peak {}; {why}", human_bytes(peak)),
+            covers: peak <= limit,
+        })
+    };
+    if let Some(batch) = (1..binding.value)
+        .rev()
+        .find(|&b| predict(b, 1, rule) <= limit)
+    {
+        push(
+            format!("let {} = {batch};", binding.name),
+            predict(batch, 1, rule),
+            "the largest batch predicted to fit (`%memfit` confirms it)".into(),
+        );
+    }
+    if let Some(k) = [2u64, 4, 8, 16]
+        .into_iter()
+        .filter(|&k| k <= binding.value)
+        .find(|&k| predict(binding.value, k, rule) <= limit)
+    {
+        push(
+            format!("%%optimize --accumulate {k}"),
+            predict(binding.value, k, rule),
+            "the same effective batch".into(),
+        );
+    }
+    for (choice, other) in OPTIMIZERS {
+        if other != rule {
+            push(
+                format!("%%optimize --optimizer {}", choice.flag_value()),
+                predict(binding.value, 1, other),
+                format!(
+                    "{}'s state by its rule (a different optimizer)",
+                    other.label()
+                ),
+            );
+        }
+    }
+    fixes.sort_by_key(|s| !s.covers);
+    (needed, fixes)
+}
+
 impl Diagnosis {
     /// The diagnosis as text, for the error's message.
     pub fn text(&self, cell: &FailedCell) -> String {
@@ -255,8 +331,8 @@ mod tests {
     #[test]
     fn an_oom_is_explained_with_ranked_fixes_that_cover_the_shortfall() {
         let diagnosis = diagnose(&event(), &cell());
-        // 14 GiB allocated: 1 + 1 of model tensors, ≈ 2 of Adam state, 10 of activations; 3 GiB
-        // short.
+        // 14 GiB allocated: 1 + 1 of model tensors, ≈ 2 of Adam state, 10 of activations; 1 GiB
+        // free of a 16 GiB limit with 15 reserved: 3 GiB short.
         let text = diagnosis.text(&cell());
         assert!(
             text.contains("activations and other tensors 10.0 GiB"),
@@ -282,6 +358,44 @@ mod tests {
         assert!(!diagnosis.suggestions[4].covers);
         assert!(text.contains("%%optimize --fit device"));
         assert!(diagnosis.fragmentation.is_none());
+    }
+
+    #[test]
+    fn measured_fixes_come_from_the_calibrations_line() {
+        const MIB: u64 = 1 << 20;
+        let rule = OptimizerRule::Adam;
+        let sim = crate::fit::estimate::tests::simulated;
+        let calibration = Calibration {
+            points: vec![(16, sim(16, 0, &rule)), (32, sim(32, 0, &rule))],
+            rule,
+        };
+        let binding = crate::rewrite::batch::find("let batch_size = 64;").unwrap();
+        // At 64 the simulated loop reserves ~300 MiB; give it 200 MiB.
+        let limit = 200 * MIB;
+        let (needed, fixes) = measured_fixes(&calibration, &binding, rule, 0, limit);
+        assert!(needed > limit);
+        let batch = fixes
+            .iter()
+            .find(|f| f.line.starts_with("let batch_size"))
+            .unwrap();
+        assert!(batch.covers);
+        let n: u64 = batch
+            .line
+            .trim_end_matches(';')
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(sim(n, 0, &rule).peak_reserved <= limit);
+        assert!(
+            sim(n + 1, 0, &rule).peak_reserved > limit,
+            "{n} is not the largest"
+        );
+        assert!(fixes
+            .iter()
+            .any(|f| f.line == "%%optimize --accumulate 2" && f.covers));
+        assert!(fixes.iter().take_while(|f| f.covers).count() >= 2);
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! The batch-size search of `%memfit`: trials until the largest batch that fits is bracketed.
 //!
 //! It grows from the cell's batch (doubling, or straight to where a line through the fitting
-//! trials' peaks meets the limit), then narrows the bracket between the largest batch that fit
-//! and the smallest that did not, aiming each trial at the line's crossing and falling back to
-//! the midpoint when the line misleads. A trial fits when it ran without running out of memory
+//! trials' peaks meets the limit, at most 16 times further), then narrows the bracket between
+//! the largest batch that fit and the smallest that did not, aiming each trial at the line's
+//! crossing, probing just above a batch that fit where the line says the maximum is, and falling
+//! back to the midpoint when the line misleads. A trial fits when it ran without running out of memory
 //! and its peak reserved bytes stay under the capacity less the safety margin.
 
 /// The allocator's room and the margin to keep free.
@@ -53,6 +54,16 @@ pub struct Found {
     pub too_big: Option<u64>,
     /// Every trial in order: batch, verdict, peak reserved (if it ran).
     pub trials: Vec<(u64, Verdict, Option<u64>)>,
+}
+
+/// How close the search brackets the largest batch that fits (a fraction of it).
+const TOLERANCE: f64 = 0.02;
+
+/// The batch a tolerance above `batch` (at least one more).
+fn just_above(batch: u64) -> u64 {
+    (batch + 1)
+        .max((batch as f64 * (1.0 + TOLERANCE)).ceil() as u64)
+        .min(MAX_BATCH)
 }
 
 /// Largest batch the search tries: memory that does not grow with the batch (nothing on the
@@ -108,19 +119,24 @@ pub fn search(
             (None, Some(hi)) => hi / 2,
             (Some(lo), None) if lo >= MAX_BATCH => break,
             (Some(lo), None) => match crossing {
-                Some(c) => c.clamp(lo + 1, lo.saturating_mul(4).min(MAX_BATCH)),
+                // The line says the largest batch that fits is about here: probe just above.
+                Some(c) if c <= just_above(lo) => just_above(lo),
+                Some(c) => c.clamp(lo + 1, lo.saturating_mul(16).min(MAX_BATCH)),
                 None => (lo * 2).min(MAX_BATCH),
             },
             (Some(lo), Some(hi)) => {
-                if hi - lo <= 1 || ((hi - 1 - lo) as f64) < lo as f64 * 0.02 {
-                    break; // the maximum is known within 2%
+                if hi - lo <= 1 || ((hi - 1 - lo) as f64) < lo as f64 * TOLERANCE {
+                    break; // the maximum is known within the tolerance
                 }
                 let mid = lo + (hi - lo) / 2;
-                let aimed = crossing.filter(|c| *c > lo && *c < hi);
                 let same_side_again = last_moved == Some(moved_lower);
                 last_moved = Some(moved_lower);
-                match aimed {
-                    Some(c) if !same_side_again => c,
+                match crossing.filter(|c| *c > lo && *c < hi) {
+                    // At the line's crossing already: a trial just above closes the bracket.
+                    Some(c) if moved_lower && c <= just_above(lo) => just_above(lo).min(hi - 1),
+                    // Not hard against the bound that failed: a line through points below
+                    // the limit tends to overshoot it.
+                    Some(c) if !same_side_again => c.min(hi - (hi - lo) / 8).max(lo + 1),
                     _ => mid,
                 }
             }
@@ -224,6 +240,16 @@ mod tests {
                     limit: 16 * GIB,
                 },
                 4,
+            ),
+            // As the H200 measured an 8×4096 MLP: the cache grows faster near the limit.
+            (
+                Simulated {
+                    fixed: 4300 * MIB,
+                    per_sample: 190 * 1024,
+                    quadratic: 1,
+                    limit: 14 * GIB,
+                },
+                1024,
             ),
             // The start does not fit: halve first.
             (
