@@ -29,10 +29,10 @@ use crate::report::format::human_bytes;
 use crate::rewrite::batch::{self, BatchBinding};
 use crate::rewrite::{self, Options, Refusal};
 
-/// Steps of a calibration or confirmation trial: the first creates the optimizer's state, the
-/// later ones run with it (and give a step time past the warm-up).
+/// Steps of a calibration trial (a confirmation takes one more): the first creates the
+/// optimizer's state, the later ones run with it (and give a step time past the warm-up).
 const TRIAL_STEPS: u32 = 3;
-/// Trials one calibration may take (halving towards a batch that fits included).
+/// Trials one calibration may take (the quarters towards a batch that fits included).
 const MAX_CALIBRATION_TRIALS: usize = 6;
 /// Candidates `--fit` confirms by a trial at the cell's batch, at most.
 const CONFIRMATIONS: usize = 3;
@@ -279,7 +279,9 @@ impl Session {
                 // Not even the smaller point fits: a quarter of it (far too large a batch is
                 // what an OOM diagnosis starts from).
                 Outcome::OutOfMemory if points.is_empty() && b > 1 => {
-                    batches.insert(0, (b / 4).max(1));
+                    let small = (b / 4).max(1);
+                    batches = vec![small, (b / 2).max(small + 1)];
+                    batches.dedup();
                 }
                 // The larger point did not fit: calibrate below the smaller one instead.
                 Outcome::OutOfMemory if !points.is_empty() => match fallback_batch(points[0].0) {
@@ -506,7 +508,10 @@ impl Session {
                 Probe::Ran { .. } => "over the margin",
                 Probe::OutOfMemory => "out of memory",
             };
-            table.lock().unwrap().push(&trial, verdict);
+            table
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(&trial, verdict);
             Some(probe)
         });
         if let Some(outcome) = stopped {
@@ -808,7 +813,9 @@ impl Session {
         let sink = Arc::clone(&said);
         let capture: OutputSink = Arc::new(move |output| {
             if let CellOutput::Stream(_, text) = output {
-                sink.lock().unwrap().push_str(&text);
+                sink.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_str(&text);
             }
         });
         let outcome = self.run_code(
@@ -824,7 +831,7 @@ impl Session {
         if let Some(error) = outcome.error {
             return Err(error);
         }
-        let text = said.lock().unwrap().clone();
+        let text = said.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if let Some(why) = text.trim().strip_prefix("tchmem-freed-error ") {
             return Ok(format!("%memfree: nothing to free ({why})"));
         }
@@ -919,7 +926,14 @@ fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) -> D
                 .iter()
                 .zip(&m.losses)
                 .map(|(a, b)| (a - b).abs() / a.abs().max(1e-12))
-                .fold(0.0f64, f64::max),
+                // A NaN (a diverged loss) must show, not vanish in the maximum.
+                .fold(0.0f64, |m, d| {
+                    if m.is_nan() || d.is_nan() {
+                        f64::NAN
+                    } else {
+                        m.max(d)
+                    }
+                }),
             _ => f64::NAN,
         };
         rows.push(vec![
@@ -931,8 +945,10 @@ fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) -> D
             ),
             format!("{:.1} ms", candidate.prediction.step_seconds * 1e3),
             measured.map_or("—".into(), |m| format!("{:.1} ms", m.step_seconds * 1e3)),
-            if agreement.is_nan() {
+            if reference.is_none() || measured.is_none() {
                 "—".into()
+            } else if agreement.is_nan() {
+                "diverged (NaN)".into()
             } else {
                 format!("{:.2}%", agreement * 100.0)
             },

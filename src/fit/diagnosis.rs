@@ -229,10 +229,17 @@ pub fn measured_fixes(
             covers: peak <= limit,
         })
     };
-    if let Some(batch) = (1..binding.value)
-        .rev()
-        .find(|&b| predict(b, 1, rule) <= limit)
-    {
+    // The predicted peak grows with the batch: the largest that fits by bisection.
+    let (mut fits, mut too_big) = (0u64, binding.value);
+    while too_big - fits > 1 {
+        let mid = fits + (too_big - fits) / 2;
+        if predict(mid, 1, rule) <= limit {
+            fits = mid;
+        } else {
+            too_big = mid;
+        }
+    }
+    if let Some(batch) = (fits > 0).then_some(fits) {
         push(
             format!("let {} = {batch};", binding.name),
             predict(batch, 1, rule),
@@ -396,6 +403,12 @@ mod tests {
             .iter()
             .any(|f| f.line == "%%optimize --accumulate 2" && f.covers));
         assert!(fixes.iter().take_while(|f| f.covers).count() >= 2);
+        // A batch of a billion is bisected, not walked down one by one.
+        let huge = crate::rewrite::batch::find("let batch_size = 1000000000;").unwrap();
+        let (_, fixes) = measured_fixes(&calibration, &huge, rule, 0, limit);
+        assert!(fixes
+            .iter()
+            .any(|f| f.line == format!("let batch_size = {n};")));
     }
 
     #[test]

@@ -53,7 +53,13 @@ fn parse_fit_target(text: &str) -> Result<FitTarget, String> {
     if text == "device" {
         return Ok(FitTarget::Device);
     }
-    crate::fit::parse_size(text).map(FitTarget::Bytes)
+    match crate::fit::parse_size(text)? {
+        bytes if bytes < 1 << 20 => Err(format!(
+            "--fit {text}: that is {bytes} bytes; give a size with its unit (16GiB, 512MiB) or \
+             `device`"
+        )),
+        bytes => Ok(FitTarget::Bytes(bytes)),
+    }
 }
 
 /// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
@@ -268,6 +274,7 @@ mod tests {
         assert!(error("--accumulate many").contains("many"));
         assert!(error("--fit 8GiB --amp bf16").contains("--amp"));
         assert!(error("--fit lots").contains("16GiB"));
+        assert!(error("--fit 16").contains("with its unit"));
         assert!(error("--turbo").contains("--turbo"));
     }
 }

@@ -62,7 +62,8 @@ pub struct OomEvent {
     pub device: i64,
     /// The size of the request that failed (rounded up by the allocator).
     pub requested: u64,
-    /// The device's memory.
+    /// The allocator's limit: the device's memory, or its memory fraction of it when one is set
+    /// (libtorch passes the allowed maximum then).
     pub device_total: u64,
     /// Free device memory at that moment.
     pub device_free: u64,
