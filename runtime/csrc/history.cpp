@@ -7,8 +7,7 @@
 // not link (the kernel's child loads it at run time): they are looked up in the process by their
 // mangled names, which are libtorch 2.11's (tch 0.24 pins that version). The metadata setter is
 // a virtual method of the allocator, as the OOM observer is (no libc10_cuda symbol needed).
-#include <c10/core/CachingDeviceAllocator.h>
-#include <c10/cuda/CUDACachingAllocator.h>
+#include "cuda_allocator.h"
 
 #include <dlfcn.h>
 
@@ -41,12 +40,6 @@ F find(const char* symbol) {
               "libtorch_cuda's allocation history is not loaded in this process (",
               symbol, "): it needs libtorch with CUDA, version 2.11");
   return reinterpret_cast<F>(found);
-}
-
-c10::cuda::CUDACachingAllocator::CUDAAllocator* cuda_allocator() {
-  auto* generic = c10::getDeviceAllocator(c10::DeviceType::CUDA);
-  TORCH_CHECK(generic != nullptr, "no CUDA allocator is registered");
-  return static_cast<c10::cuda::CUDACachingAllocator::CUDAAllocator*>(generic);
 }
 
 }  // namespace
@@ -92,7 +85,7 @@ int tchmem_history_snapshot(void (*sink)(void* context, const char* data, size_t
 
 // Sets the text the allocator stamps on later trace entries (`user_metadata`).
 int tchmem_history_set_metadata(const char* text, char* err, size_t err_len) {
-  return tchmem::guarded([&] { cuda_allocator()->setUserMetadata(text); }, err, err_len);
+  return tchmem::guarded([&] { tchmem::cuda_allocator()->setUserMetadata(text); }, err, err_len);
 }
 
 }  // extern "C"

@@ -2,8 +2,7 @@
 // lock) when it gives up on a request (the same moment it counts `num_ooms`), with the request's size and
 // what was free on the device at that moment. Needs CUDA headers (crt/ comes from the nvidia-cuda-crt
 // wheel); build.rs compiles this file only when they are there.
-#include <c10/core/CachingDeviceAllocator.h>
-#include <c10/cuda/CUDACachingAllocator.h>
+#include "cuda_allocator.h"
 
 #include "error.h"
 
@@ -19,10 +18,7 @@ typedef void (*tchmem_oom_callback)(int64_t device, uint64_t requested, uint64_t
 int tchmem_attach_oom_observer(tchmem_oom_callback callback, char* err, size_t err_len) {
   return tchmem::guarded(
       [&] {
-        auto* generic = c10::getDeviceAllocator(c10::DeviceType::CUDA);
-        TORCH_CHECK(generic != nullptr, "no CUDA allocator is registered");
-        auto* cuda = static_cast<c10::cuda::CUDACachingAllocator::CUDAAllocator*>(generic);
-        cuda->attachOutOfMemoryObserver(
+        tchmem::cuda_allocator()->attachOutOfMemoryObserver(
             [callback](int64_t device, size_t requested, size_t total, size_t free) {
               callback(device, requested, total, free);
             });

@@ -22,6 +22,12 @@ pub struct CellError {
 }
 
 impl CellError {
+    /// Whether this error ends a magic's series of runs: the user interrupted, or the process
+    /// that runs cells is gone.
+    pub fn stops_the_run(&self) -> bool {
+        matches!(self.ename.as_str(), "Interrupted" | "ChildProcessCrashed")
+    }
+
     /// An error with the given name and message and a traceback that repeats them.
     pub fn new(ename: &str, evalue: impl Into<String>) -> Self {
         let evalue = evalue.into();

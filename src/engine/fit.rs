@@ -60,7 +60,9 @@ struct TrainingCell {
     /// Line N of `code` is line N + `offset` of the magic's cell (0 for an earlier cell).
     offset: usize,
     binding: BatchBinding,
-    rule: Option<OptimizerRule>,
+    /// The optimizer's state rule; a cell whose optimizer is not recognised counts none (its
+    /// state then lies on the calibration's line).
+    rule: OptimizerRule,
 }
 
 /// A table of trials shown as they run (one display, updated in place).
@@ -172,7 +174,7 @@ impl Session {
         }
         let rule = rewrite::training_facts(&code)
             .optimizer
-            .map(|(_, rule)| rule);
+            .map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
         self.last_training_cell = Some(code.clone());
         Ok(TrainingCell {
             code,
@@ -201,14 +203,7 @@ impl Session {
         };
         let instrumented = rewrite::instrument_for_compare(&code)
             .map_err(|refusal| TrialError::Refused(refusal.shifted(cell.offset)))?;
-        let quiet: OutputSink = Arc::new(|_| {});
-        let outcome = self.run_cell_code(
-            &compare_cell(&instrumented, steps),
-            CellIo {
-                output: quiet,
-                input: None,
-            },
-        );
+        let outcome = self.run_cell_code(&compare_cell(&instrumented, steps), CellIo::quiet());
         let result = match &outcome.error {
             Some(error)
                 if matches!(error.ename.as_str(), "Interrupted" | "ChildProcessCrashed") =>
@@ -240,14 +235,7 @@ impl Session {
 
     /// The device's room now (`None` without CUDA).
     fn device_room(&mut self) -> Option<DeviceRoom> {
-        let quiet: OutputSink = Arc::new(|_| {});
-        let outcome = self.run_code(
-            "tchmem::estimate::room()",
-            CellIo {
-                output: quiet,
-                input: None,
-            },
-        );
+        let outcome = self.run_code("tchmem::estimate::room()", CellIo::quiet());
         let json = outcome.data.get(DEVICE_ROOM_MIME)?;
         serde_json::from_str::<Option<DeviceRoom>>(json)
             .ok()
@@ -304,7 +292,7 @@ impl Session {
         points.sort_by_key(|(b, _)| *b);
         Ok(Ok(Calibration {
             points,
-            rule: cell.rule.unwrap_or(OptimizerRule::Sgd { momentum: false }),
+            rule: cell.rule,
         }))
     }
 
@@ -321,11 +309,7 @@ impl Session {
         };
         let target = request.batch.unwrap_or(cell.binding.value);
         let accumulate = request.accumulate.unwrap_or(1) as u64;
-        let rule = request
-            .optimizer
-            .map(|choice| choice.rule())
-            .or(cell.rule)
-            .unwrap_or(OptimizerRule::Sgd { momentum: false });
+        let rule = request.optimizer.map_or(cell.rule, |choice| choice.rule());
         let mut what = vec![format!("{} = {target}", cell.binding.name)];
         let flags = Options {
             accumulate: request.accumulate,
@@ -644,7 +628,7 @@ impl Session {
                 Err(TrialError::Stopped(outcome)) => return *outcome,
             }
         }
-        let rule = cell.rule.unwrap_or(OptimizerRule::Sgd { momentum: false });
+        let rule = cell.rule;
         let begin = calibrations
             .first()
             .and_then(|(_, c)| c.points.first())
@@ -784,7 +768,7 @@ impl Session {
             .map(|(b, _)| b.to_string())
             .collect();
         let begin = calibration.points.last()?.1.begin;
-        let rule = cell.rule.unwrap_or(OptimizerRule::Sgd { momentum: false });
+        let rule = cell.rule;
         let (needed, fixes) = measured_fixes(&calibration, &cell.binding, rule, begin, limit);
         let mut text = format!(
             "\nMeasured (trials at {} = {}, the table above): at {} the loop needs about {} \

@@ -50,6 +50,16 @@ pub struct CellIo {
     pub input: Option<InputFn>,
 }
 
+impl CellIo {
+    /// Output dropped, no input: for code the kernel runs for itself (set-up, probes, trials).
+    pub fn quiet() -> CellIo {
+        CellIo {
+            output: Arc::new(|_| {}),
+            input: None,
+        }
+    }
+}
+
 /// What one cell produced, besides its streams.
 #[derive(Debug, Default)]
 pub struct CellOutcome {

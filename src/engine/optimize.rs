@@ -129,7 +129,7 @@ impl Session {
         // An interrupt or a crash ends the comparison: the user asked to stop, or the process
         // that ran cells is gone.
         if let Some(error) = &outcome.error {
-            if matches!(error.ename.as_str(), "Interrupted" | "ChildProcessCrashed") {
+            if error.stops_the_run() {
                 return Err(Box::new(outcome));
             }
         }

@@ -506,14 +506,7 @@ impl Session {
             .map(|name| format!("tchmem::watch(&{name});\n"))
             .collect();
         self.auto_watched.extend(new);
-        let quiet: super::OutputSink = Arc::new(|_| {});
-        let outcome = self.run_code(
-            &code,
-            CellIo {
-                output: quiet,
-                input: None,
-            },
-        );
+        let outcome = self.run_code(&code, CellIo::quiet());
         if let Some(error) = &outcome.error {
             tracing::debug!("could not watch a VarStore: {}", error.evalue);
             return None;
@@ -709,14 +702,7 @@ impl Session {
                 // (evcxr still expects the old variables); evcxr then starts a clean one, so
                 // one more try.
                 for attempt in 1..=2 {
-                    let quiet: super::OutputSink = Arc::new(|_| {});
-                    let outcome = self.run_code(
-                        setup,
-                        CellIo {
-                            output: quiet,
-                            input: None,
-                        },
-                    );
+                    let outcome = self.run_code(setup, CellIo::quiet());
                     match outcome.error {
                         None => break,
                         Some(error) => tracing::warn!(

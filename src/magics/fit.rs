@@ -6,7 +6,7 @@ use clap::Parser;
 use super::optimize::{AmpArg, OptimizerArg};
 use super::MagicReply;
 use crate::fit::parse_percent;
-use crate::rewrite::{Amp, OptimizerChoice, Options};
+use crate::rewrite::{OptimizerChoice, Options};
 
 /// Predict the peak GPU memory of the training cell below (or of the last training cell that
 /// ran) at a batch size and with rewrites, without running it at that size: parameters,
@@ -92,13 +92,6 @@ pub struct FitArgs {
 #[command(name = "%memfree", no_binary_name = true, disable_version_flag = true)]
 pub struct FreeArgs {}
 
-fn amp(arg: AmpArg) -> Amp {
-    match arg {
-        AmpArg::Bf16 => Amp::Bf16,
-        AmpArg::F16 => Amp::F16,
-    }
-}
-
 /// Parses `%memestimate`'s arguments.
 pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
     let parsed = EstimateArgs::try_parse_from(args).map_err(super::reply)?;
@@ -117,7 +110,7 @@ pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
         batch: parsed.batch,
         calibrated: Options {
             checkpoint: parsed.checkpoint.then_some(None),
-            amp: parsed.amp.map(amp),
+            amp: parsed.amp.map(AmpArg::amp),
             ..Options::default()
         },
         accumulate: parsed.accumulate,

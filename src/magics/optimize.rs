@@ -28,6 +28,16 @@ pub enum OptimizerArg {
     Adafactor,
 }
 
+impl AmpArg {
+    /// The rewriter's kind for this value.
+    pub fn amp(self) -> Amp {
+        match self {
+            AmpArg::Bf16 => Amp::Bf16,
+            AmpArg::F16 => Amp::F16,
+        }
+    }
+}
+
 impl OptimizerArg {
     /// The rewriter's choice for this value.
     pub fn choice(self) -> OptimizerChoice {
@@ -156,10 +166,7 @@ impl OptimizeArgs {
         }
         let options = Options {
             checkpoint: self.checkpoint,
-            amp: self.amp.map(|amp| match amp {
-                AmpArg::Bf16 => Amp::Bf16,
-                AmpArg::F16 => Amp::F16,
-            }),
+            amp: self.amp.map(AmpArg::amp),
             accumulate: self.accumulate,
             optimizer: self.optimizer.map(OptimizerArg::choice),
         };
