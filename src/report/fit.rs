@@ -27,11 +27,15 @@ pub struct Table {
 impl Table {
     fn html(&self) -> String {
         let row = |cells: &[String], tag: &str| {
+            // Numbers stay on one line; the last column (explanations) wraps.
+            let last = cells.len().saturating_sub(1);
             let cells: String = cells
                 .iter()
-                .map(|c| {
+                .enumerate()
+                .map(|(i, c)| {
+                    let wrap = if i == last { "" } else { ";white-space:nowrap" };
                     format!(
-                        "<{tag} style='text-align:left;padding:2px 8px'>{}</{tag}>",
+                        "<{tag} style='text-align:left;padding:2px 8px{wrap}'>{}</{tag}>",
                         escape(c)
                     )
                 })
