@@ -261,9 +261,25 @@ fn is_printing_macro(mac: &syn::Macro) -> bool {
     })
 }
 
+/// Whether `code` is one of evcxr's help commands (`:help`, `:doc NAME`) and nothing else, so
+/// that its output belongs in the pager, as ipykernel's `?`.
+pub fn is_help_command(code: &str) -> bool {
+    let mut lines = code
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with("//"));
+    match (lines.next(), lines.next()) {
+        (Some(line), None) => {
+            // evcxr's command syntax: optional spaces, `:name`, then arguments after spaces.
+            let name = line.trim_start_matches(' ').split(' ').next();
+            matches!(name, Some(":help" | ":doc"))
+        }
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{read, Syntax::*, Tail};
+    use super::{is_help_command, read, Syntax::*, Tail};
 
     #[test]
     fn cell_syntax_reads_what_the_last_statement_is() {
@@ -329,5 +345,16 @@ mod tests {
         assert_eq!(read(&deep), Unknown);
         let long = format!("let x = {}1;", "- ".repeat(5000));
         assert_eq!(read(&long), Unknown);
+    }
+
+    #[test]
+    fn help_commands_alone_in_a_cell_go_to_the_pager() {
+        assert!(is_help_command(":help"));
+        assert!(is_help_command("\n  :help\n"));
+        assert!(is_help_command("// what is there?\n:doc Vec"));
+        assert!(!is_help_command(":helpme"));
+        assert!(!is_help_command(":vars"));
+        assert!(!is_help_command(":help\nlet x = 1;"));
+        assert!(!is_help_command("let help = 1;"));
     }
 }

@@ -5,7 +5,9 @@
 //! process that loads and runs compiled cells (selected by an environment variable, see
 //! [`child`]).
 
+mod cell_error;
 mod cell_syntax;
+mod cells;
 mod child;
 mod cli;
 mod engine;
@@ -18,6 +20,7 @@ mod notebook;
 mod parse_thread;
 mod report;
 mod rewrite;
+mod session;
 mod timeline;
 
 use clap::Parser;

@@ -156,7 +156,7 @@ pub fn execute(
                 }
                 outputs.push(json!({
                     "output_type": "error",
-                    "ename": error.ename,
+                    "ename": error.ename.as_str(),
                     "evalue": error.evalue,
                     "traceback": error.traceback,
                 }));
@@ -239,7 +239,7 @@ fn run_cell(engine: &Engine, code: String) -> (Vec<Value>, CellOutcome) {
         .blocking_recv()
         .unwrap_or_else(|_| CellOutcome {
             error: Some(crate::engine::CellError::new(
-                "KernelError",
+                crate::cell_error::ErrorName::KernelError,
                 "the engine stopped",
             )),
             ..Default::default()

@@ -5,134 +5,29 @@
 //! async kernel and the synchronous notebook runner drive it the same way. Interrupts bypass the
 //! queue (see [`Engine::interrupt`]).
 
-mod auto_watch;
-mod cell_opt;
-mod completion;
-mod errors;
-mod fit;
-mod infer;
-mod optimize;
-mod positions;
-mod rich;
-mod session;
-mod setup;
-mod startup;
-mod streams;
-mod timeline;
-pub mod workdir;
+mod start_progress;
 
-use std::collections::BTreeMap;
-use std::process::Child;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-pub use completion::{metadata as completion_metadata, Candidate};
-pub use errors::CellError;
-pub use setup::{EngineConfig, TCH_VERSION};
-pub use startup::{Progress, Stage};
-pub use streams::{CellOutput, OutputSink, StreamName};
+pub use crate::session::workdir;
+pub use crate::session::{
+    completion_metadata, CellError, CellIo, CellOutcome, CellOutput, CompletionOutcome,
+    EngineConfig, InputFn, InspectOutcome, OutputSink, StreamName, TCH_VERSION,
+};
+pub use start_progress::{Progress, Stage};
 
-use session::Session;
-use startup::Startup;
-use tchmem_wire::CellReport;
+use crate::cells::Cells;
+use crate::session::{Control, Session};
+use start_progress::Startup;
 
-/// Asks the user for a line of input: `(prompt, is_password) -> reply`.
-pub type InputFn = Box<dyn Fn(&str, bool) -> String + Send>;
+/// What the engine thread works on: the cells layer over the evcxr session.
+type Notebook = Cells<Session>;
 
-/// Where a running cell's side output goes.
-pub struct CellIo {
-    /// Stream output and displays, delivered while the cell runs.
-    pub output: OutputSink,
-    /// Answers input requests; `None` when the frontend does not allow stdin.
-    pub input: Option<InputFn>,
-}
-
-impl CellIo {
-    /// Output dropped, no input: for code the kernel runs for itself (set-up, probes, trials).
-    pub fn quiet() -> CellIo {
-        CellIo {
-            output: Arc::new(|_| {}),
-            input: None,
-        }
-    }
-}
-
-/// What one cell produced, besides its streams.
-#[derive(Debug, Default)]
-pub struct CellOutcome {
-    /// The cell's rich result by MIME type (the value of its final expression, `:` command
-    /// output); empty when there is none.
-    pub data: BTreeMap<String, String>,
-    /// Set when the cell failed (compile error, panic, crash, interrupt).
-    pub error: Option<CellError>,
-    /// The child's report of the run, when the cell's code ran.
-    pub report: Option<CellReport>,
-    /// The memory summary to show after the cell's result (per `%memprofile`).
-    pub memory_display: Option<tchmem_wire::Display>,
-    /// Help for a pager, by MIME type (`:help`, `:doc`, a magic's `--help`); empty when none.
-    /// The kernel sends it as the execute reply's `page` payload, where JupyterLab shows it
-    /// under the cell; `tchmem execute` writes it as the `display_data` output JupyterLab
-    /// records for it.
-    pub page: BTreeMap<String, String>,
-}
-
-impl CellOutcome {
-    /// Takes the cell's result as a Jupyter bundle (JSON MIME types as JSON).
-    pub fn take_result(&mut self) -> serde_json::Map<String, serde_json::Value> {
-        bundle(std::mem::take(&mut self.data))
-    }
-
-    /// Takes the help for the pager as a Jupyter bundle.
-    pub fn take_page(&mut self) -> serde_json::Map<String, serde_json::Value> {
-        bundle(std::mem::take(&mut self.page))
-    }
-}
-
-fn bundle(data: BTreeMap<String, String>) -> serde_json::Map<String, serde_json::Value> {
-    data.into_iter()
-        .map(|(mime, text)| {
-            let value = tchmem_wire::bundle_value(&mime, &text);
-            (mime, value)
-        })
-        .collect()
-}
-
-/// A completion answer: candidates replacing the characters `start..end` (in chars).
-#[derive(Debug, Default)]
-pub struct CompletionOutcome {
-    /// Candidate texts.
-    pub matches: Vec<String>,
-    /// First replaced character (Unicode scalar index, as Jupyter counts).
-    pub start: usize,
-    /// One past the last replaced character.
-    pub end: usize,
-    /// What each match is (kind and signature), in the order of `matches`.
-    pub candidates: Vec<Candidate>,
-}
-
-/// Documentation for the expression at a cursor.
-#[derive(Debug, Default)]
-pub struct InspectOutcome {
-    /// Plain-text documentation; empty when nothing was found.
-    pub plain: String,
-    /// The same as HTML.
-    pub html: String,
-}
-
-type Job = Box<dyn FnOnce(&mut Session) + Send>;
-
-/// State shared with the engine thread that must be reachable while it is busy.
-#[derive(Default)]
-struct Control {
-    /// A cell is running. A mutex, not an atomic: interrupt checks it and kills the child while
-    /// holding it, so a cell that just finished cannot lose its process to a late interrupt.
-    running: Mutex<bool>,
-    interrupt_requested: AtomicBool,
-    child: Mutex<Option<Arc<Mutex<Child>>>>,
-}
+type Job = Box<dyn FnOnce(&mut Notebook) + Send>;
 
 /// Handle to the engine thread.
 #[derive(Clone)]
@@ -155,8 +50,10 @@ impl Engine {
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
-                let mut session = Session::start(config, Arc::clone(&thread_control));
+                let snapshots = crate::cells::snapshot_dir(&config.workdir);
+                let session = Session::start(config, Arc::clone(&thread_control));
                 thread_startup.finish(session.prelude_loaded());
+                let mut session = Cells::new(session, snapshots);
                 // The code analysis loads the crate graph on its first request (5 s after a
                 // start, measured): do that at the first moment with nothing queued, so that the
                 // user's first completion answers within a frontend's timeout.
@@ -170,7 +67,7 @@ impl Engine {
                             Err(mpsc::TryRecvError::Empty) => {
                                 let _ =
                                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                        session.warm_up_analysis()
+                                        session.runner_mut().warm_up_analysis()
                                     }));
                                 warmed = true;
                                 continue;
@@ -185,10 +82,7 @@ impl Engine {
                     }));
                     if caught.is_err() {
                         tracing::error!("internal error in the engine; continuing");
-                        *thread_control
-                            .running
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner()) = false;
+                        thread_control.set_running(false);
                     }
                 }
             })
@@ -208,7 +102,7 @@ impl Engine {
 
     fn submit<T: Send + 'static>(
         &self,
-        job: impl FnOnce(&mut Session) -> T + Send + 'static,
+        job: impl FnOnce(&mut Notebook) -> T + Send + 'static,
     ) -> oneshot::Receiver<T> {
         let (tx, rx) = oneshot::channel();
         let job: Job = Box::new(move |session| {
@@ -226,7 +120,7 @@ impl Engine {
         let waiting = (self.startup.stage() == Stage::Starting).then(|| {
             let startup = Arc::clone(&self.startup);
             let output = Arc::clone(&io.output);
-            std::thread::spawn(move || startup::show_until_ready(&startup, &output))
+            std::thread::spawn(move || start_progress::show_until_ready(&startup, &output))
         });
         self.submit(move |session| {
             // The progress display is settled before the cell's own output begins.
@@ -239,12 +133,12 @@ impl Engine {
 
     /// Completions at `cursor` (a character index).
     pub fn complete(&self, code: String, cursor: usize) -> oneshot::Receiver<CompletionOutcome> {
-        self.submit(move |session| session.complete(&code, cursor))
+        self.submit(move |session| session.runner_mut().complete(&code, cursor))
     }
 
     /// Documentation for what is at `cursor` (a character index).
     pub fn inspect(&self, code: String, cursor: usize) -> oneshot::Receiver<InspectOutcome> {
-        self.submit(move |session| session.inspect(&code, cursor))
+        self.submit(move |session| session.runner_mut().inspect(&code, cursor))
     }
 
     /// Stops the child process for good (at shutdown).

@@ -6,52 +6,60 @@ use jupyter_protocol::{
 use jupyter_zmq_client::KernelControlConnection;
 use tokio::sync::oneshot;
 
-use super::{info, next_message, Interrupter, Iopub};
+use super::{info, next_message, Evaluator, Interrupter, Iopub};
 
 /// Serves control requests until a shutdown request; then reports it through `shutdown`.
-pub async fn serve(
+pub async fn serve<E: Evaluator>(
     mut socket: KernelControlConnection,
     iopub: Iopub,
-    interrupter: Interrupter,
+    interrupter: Interrupter<E>,
     shutdown: oneshot::Sender<bool>,
 ) {
     loop {
         let request = next_message(&mut socket, "control").await;
-        iopub.status(true, &request);
-        let reply: Option<JupyterMessage> = match &request.content {
-            JupyterMessageContent::KernelInfoRequest(_) => {
-                Some(info::kernel_info().as_child_of(&request))
-            }
-            JupyterMessageContent::InterruptRequest(_) => {
-                interrupter.interrupt();
-                Some(InterruptReply::new().as_child_of(&request))
-            }
-            JupyterMessageContent::ShutdownRequest(shutdown_request) => {
-                let restart = shutdown_request.restart;
-                let reply = ShutdownReply {
-                    restart,
-                    status: ReplyStatus::Ok,
-                    error: None,
+        let restart = iopub
+            .with_status(&request, async {
+                let (reply, restart) = answer(&request, &interrupter);
+                if let Some(reply) = reply {
+                    if let Err(error) = socket.send(reply).await {
+                        tracing::warn!("cannot send a control reply: {error}");
+                    }
                 }
-                .as_child_of(&request);
-                if let Err(error) = socket.send(reply).await {
-                    tracing::warn!("cannot send shutdown_reply: {error}");
-                }
-                iopub.status(false, &request);
-                iopub.flush().await;
-                let _ = shutdown.send(restart);
-                return;
-            }
-            other => {
-                tracing::info!("unsupported control request {}", other.message_type());
-                None
-            }
-        };
-        if let Some(reply) = reply {
-            if let Err(error) = socket.send(reply).await {
-                tracing::warn!("cannot send a control reply: {error}");
-            }
+                restart
+            })
+            .await;
+        if let Some(restart) = restart {
+            iopub.flush().await;
+            let _ = shutdown.send(restart);
+            return;
         }
-        iopub.status(false, &request);
+    }
+}
+
+/// The reply to one control request, and for a shutdown request whether it asks for a restart.
+fn answer<E: Evaluator>(
+    request: &JupyterMessage,
+    interrupter: &Interrupter<E>,
+) -> (Option<JupyterMessage>, Option<bool>) {
+    match &request.content {
+        JupyterMessageContent::KernelInfoRequest(_) => {
+            (Some(info::kernel_info().as_child_of(request)), None)
+        }
+        JupyterMessageContent::InterruptRequest(_) => {
+            interrupter.interrupt();
+            (Some(InterruptReply::new().as_child_of(request)), None)
+        }
+        JupyterMessageContent::ShutdownRequest(shutdown) => {
+            let reply = ShutdownReply {
+                restart: shutdown.restart,
+                status: ReplyStatus::Ok,
+                error: None,
+            };
+            (Some(reply.as_child_of(request)), Some(shutdown.restart))
+        }
+        other => {
+            tracing::info!("unsupported control request {}", other.message_type());
+            (None, None)
+        }
     }
 }

@@ -50,8 +50,28 @@ impl Iopub {
     }
 
     /// Publishes `busy` or `idle` for `parent`.
-    pub fn status(&self, busy: bool, parent: &JupyterMessage) {
+    fn status(&self, busy: bool, parent: &JupyterMessage) {
         self.publish(if busy { Status::busy() } else { Status::idle() }, parent);
+    }
+
+    /// Does `work` for the request `parent` between its `busy` and its `idle`: every request on
+    /// every channel is answered this way.
+    pub async fn with_status<T>(
+        &self,
+        parent: &JupyterMessage,
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        self.status(true, parent);
+        let done = work.await;
+        self.status(false, parent);
+        done
+    }
+
+    /// A handle whose events come out of the returned receiver instead of a socket's owner
+    /// (the owner task reads it; tests read it directly).
+    pub fn channel() -> (Iopub, mpsc::UnboundedReceiver<IopubEvent>) {
+        let (events, receiver) = mpsc::unbounded_channel();
+        (Iopub { events }, receiver)
     }
 
     /// Queues stream text for batching.
@@ -74,9 +94,9 @@ impl Iopub {
 
 /// Starts the owner task on `socket`.
 pub fn spawn(socket: KernelIoPubXPubConnection) -> Iopub {
-    let (events, receiver) = mpsc::unbounded_channel();
+    let (iopub, receiver) = Iopub::channel();
     tokio::spawn(run(socket, receiver));
-    Iopub { events }
+    iopub
 }
 
 struct PendingStream {

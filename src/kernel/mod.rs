@@ -7,12 +7,16 @@
 
 mod control;
 mod decode;
+mod evaluator;
 mod history;
 mod info;
 mod iopub;
 mod is_complete;
 mod shell;
+mod shell_loop;
 mod stdin;
+#[cfg(test)]
+mod tests;
 
 use std::path::Path;
 
@@ -27,17 +31,18 @@ use tokio::sync::oneshot;
 
 use crate::engine::Engine;
 use decode::next_message;
+pub use evaluator::Evaluator;
 pub use iopub::Iopub;
 use stdin::StdinBridge;
 
 /// Stops the running cell and any input request it waits on.
 #[derive(Clone)]
-pub struct Interrupter {
-    engine: Engine,
+pub struct Interrupter<E> {
+    engine: E,
     stdin: StdinBridge,
 }
 
-impl Interrupter {
+impl<E: Evaluator> Interrupter<E> {
     /// Interrupts the current cell, if any.
     pub fn interrupt(&self) {
         let was_running = self.engine.interrupt();
@@ -91,37 +96,12 @@ pub async fn serve(connection_file: &Path, engine: Engine) -> anyhow::Result<()>
         shutdown_tx,
     ));
 
-    let (mut shell_send, mut shell_recv) = shell_socket.split();
-    let mut shell = shell::Shell::new(engine.clone(), iopub.clone(), stdin);
-    let shell_task = tokio::spawn(async move {
-        loop {
-            let request = next_message(&mut shell_recv, "shell").await;
-            iopub.status(true, &request);
-            let reply = shell.handle(&request).await;
-            // As ipykernel: execute requests that were already queued behind a failed cell (Run
-            // All) are answered "aborted" instead of run. They are collected before the failed
-            // cell's reply goes out, so nothing sent in answer to that reply is caught.
-            let mut queued = Vec::new();
-            if shell.take_abort_queued() {
-                while let Ok(next) =
-                    tokio::time::timeout(QUEUED, next_message(&mut shell_recv, "shell")).await
-                {
-                    queued.push(next);
-                }
-            }
-            send_reply(&mut shell_send, reply).await;
-            iopub.status(false, &request);
-            for request in queued {
-                iopub.status(true, &request);
-                let reply = match shell.aborted(&request) {
-                    Some(aborted) => Some(aborted),
-                    None => shell.handle(&request).await,
-                };
-                send_reply(&mut shell_send, reply).await;
-                iopub.status(false, &request);
-            }
-        }
-    });
+    let shell = shell::Shell::new(engine.clone(), iopub.clone(), stdin);
+    let shell_task = tokio::spawn(shell_loop::serve(
+        shell,
+        iopub,
+        shell_loop::ZmqShell::new(shell_socket),
+    ));
 
     let restart = shutdown_rx.await.unwrap_or(false);
     shell_task.abort();
@@ -130,24 +110,9 @@ pub async fn serve(connection_file: &Path, engine: Engine) -> anyhow::Result<()>
     Ok(())
 }
 
-/// How long the shell waits for one more already-queued request after a failed cell before it
-/// considers the queue drained.
-const QUEUED: std::time::Duration = std::time::Duration::from_millis(10);
-
-async fn send_reply(
-    socket: &mut jupyter_zmq_client::RouterSendConnection,
-    reply: Option<jupyter_protocol::JupyterMessage>,
-) {
-    if let Some(reply) = reply {
-        if let Err(error) = socket.send(reply).await {
-            tracing::warn!("cannot send a shell reply: {error}");
-        }
-    }
-}
-
 /// In `signal` interrupt mode Jupyter sends SIGINT; it must interrupt the cell, not end the
 /// kernel.
-fn spawn_signal_interrupts(interrupter: Interrupter) {
+fn spawn_signal_interrupts<E: Evaluator>(interrupter: Interrupter<E>) {
     tokio::spawn(async move {
         let Ok(mut signals) =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())

@@ -10,15 +10,17 @@ use jupyter_protocol::{
 };
 use serde_json::{Map, Value};
 
+use super::evaluator::Evaluator;
 use super::history::History;
 use super::is_complete::{judge, Completeness};
 use super::stdin::StdinBridge;
 use super::{info, Iopub};
-use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, InputFn, OutputSink, StreamName};
+use crate::cell_error::ErrorName;
+use crate::engine::{CellError, CellIo, CellOutcome, CellOutput, InputFn, OutputSink, StreamName};
 
 /// State of the shell channel.
-pub struct Shell {
-    engine: Engine,
+pub struct Shell<E> {
+    engine: E,
     iopub: Iopub,
     stdin: StdinBridge,
     execution_count: ExecutionCount,
@@ -27,9 +29,9 @@ pub struct Shell {
     abort_queued: bool,
 }
 
-impl Shell {
+impl<E: Evaluator> Shell<E> {
     /// A shell handler that runs cells on `engine`.
-    pub fn new(engine: Engine, iopub: Iopub, stdin: StdinBridge) -> Self {
+    pub fn new(engine: E, iopub: Iopub, stdin: StdinBridge) -> Self {
         Self {
             engine,
             iopub,
@@ -161,8 +163,8 @@ impl Shell {
             .execute(request.code.clone(), io)
             .await
             .unwrap_or_else(|_| CellOutcome {
-                error: Some(crate::engine::CellError::new(
-                    "KernelError",
+                error: Some(CellError::new(
+                    ErrorName::KernelError,
                     "the engine stopped unexpectedly",
                 )),
                 ..Default::default()
@@ -182,7 +184,7 @@ impl Shell {
             if !silent {
                 self.iopub.publish(
                     ErrorOutput {
-                        ename: error.ename.clone(),
+                        ename: error.ename.to_string(),
                         evalue: error.evalue.clone(),
                         traceback: error.traceback.clone(),
                     },
@@ -192,7 +194,7 @@ impl Shell {
             reply.status = ReplyStatus::Error;
             self.abort_queued = request.stop_on_error;
             reply.error = Some(Box::new(ReplyError {
-                ename: error.ename,
+                ename: error.ename.to_string(),
                 evalue: error.evalue,
                 traceback: error.traceback,
             }));

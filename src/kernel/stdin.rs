@@ -38,6 +38,14 @@ impl StdinBridge {
         answered.blocking_recv().unwrap_or_default()
     }
 
+    /// A bridge with no frontend behind it: every request answers an empty line (for tests).
+    #[cfg(test)]
+    pub fn unconnected() -> StdinBridge {
+        let (asks, _) = mpsc::unbounded_channel();
+        let (cancels, _) = watch::channel(0u64);
+        StdinBridge { asks, cancels }
+    }
+
     /// Abandons the pending input request, if any (also one not sent yet).
     pub fn cancel(&self) {
         self.cancels.send_modify(|generation| *generation += 1);

@@ -6,6 +6,8 @@ use serde_json::{Map, Value};
 use tchmem_wire::compare::CompareRun;
 use tchmem_wire::Display;
 
+use crate::cell_error::ErrorName;
+
 use super::chart::{font, TEXT_PX, TITLE_PX};
 use super::escape;
 use super::format::human_bytes;
@@ -21,23 +23,23 @@ pub type Side = Result<CompareRun, SideFailure>;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SideFailure {
     /// The error's name, as the cell error has it.
-    pub name: String,
+    pub name: ErrorName,
     /// Its first line of explanation.
     pub message: String,
 }
 
 impl SideFailure {
     /// A failure named `name`, explained by `message`.
-    pub fn new(name: impl Into<String>, message: impl Into<String>) -> SideFailure {
+    pub fn new(name: ErrorName, message: impl Into<String>) -> SideFailure {
         SideFailure {
-            name: name.into(),
+            name,
             message: message.into(),
         }
     }
 
     /// Whether memory ran out (a result worth showing, not a failure of the comparison).
     pub fn is_out_of_memory(&self) -> bool {
-        self.name == "OutOfMemory"
+        self.name == ErrorName::OutOfMemory
     }
 }
 
@@ -341,7 +343,9 @@ pub fn comparison_display(flags: &str, original: &Side, rewritten: &Side) -> Dis
     data.insert("text/html".into(), Value::String(html));
     let side_json = |side: &Side| match side {
         Ok(run) => serde_json::to_value(run).unwrap_or_default(),
-        Err(why) => serde_json::json!({ "error": why.to_string(), "error_name": why.name }),
+        Err(why) => {
+            serde_json::json!({ "error": why.to_string(), "error_name": why.name.as_str() })
+        }
     };
     data.insert(
         COMPARISON_MIME.into(),
@@ -391,13 +395,13 @@ mod tests {
     #[test]
     fn both_sides_out_of_memory_is_a_verdict_and_other_failures_are_not() {
         let oom: Side = Err(SideFailure::new(
-            "OutOfMemory",
+            ErrorName::OutOfMemory,
             "CUDA ran out of memory in this cell",
         ));
         let plain =
             comparison_display("--amp bf16", &oom, &oom.clone()).data["text/plain"].to_string();
         assert!(plain.contains("Neither fits"), "{plain}");
-        assert!(!SideFailure::new("Panic", "boom").is_out_of_memory());
+        assert!(!SideFailure::new(ErrorName::Panic, "boom").is_out_of_memory());
     }
 
     #[test]
@@ -410,7 +414,10 @@ mod tests {
 
     #[test]
     fn cpu_runs_say_memory_is_cuda_only_and_a_failed_original_is_shown() {
-        let a: Side = Err(SideFailure::new("OutOfMemory", "CUDA ran out of memory"));
+        let a: Side = Err(SideFailure::new(
+            ErrorName::OutOfMemory,
+            "CUDA ran out of memory",
+        ));
         let b = Ok(run(None, vec![1.0]));
         assert!(verdict(&a, &b).starts_with("The original failed"));
         let text = verdict(&Ok(run(None, vec![1.0])), &b);

@@ -8,8 +8,11 @@ use tchmem_wire::Display;
 use super::chart;
 use super::escape;
 use super::format::human_bytes;
+use crate::fit::candidates::Candidate;
+use crate::fit::estimate::Fixed;
 use crate::fit::estimate::Prediction;
 use crate::fit::trial::{Outcome, Trial};
+use crate::rewrite::Options;
 
 /// The MIME type of an estimate's numbers (for tests and tools).
 pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
@@ -314,6 +317,226 @@ pub fn estimate_display(view: &EstimateView) -> Display {
         data,
         ..Default::default()
     }
+}
+
+/// A trial's verdict in a table: ran, out of memory, or why it failed.
+pub fn verdict_of(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Ran(_) => "ran".into(),
+        Outcome::OutOfMemory => "out of memory".into(),
+        Outcome::Failed(why) => format!("failed: {why}"),
+    }
+}
+
+/// Where a live table's displays go (the cell's output).
+pub type ShowDisplay = std::sync::Arc<dyn Fn(Display) + Send + Sync>;
+
+/// A table of trials shown as they run (one display, updated in place).
+pub struct LiveTable {
+    id: String,
+    heading: String,
+    rows: Vec<Vec<String>>,
+    numbers: Vec<serde_json::Value>,
+    show: ShowDisplay,
+}
+
+impl LiveTable {
+    /// An empty table shown as display `id` under `heading`.
+    pub fn new(id: String, heading: String, show: ShowDisplay) -> LiveTable {
+        LiveTable {
+            id,
+            heading,
+            rows: Vec::new(),
+            numbers: Vec::new(),
+            show,
+        }
+    }
+
+    /// Adds a trial's row with its verdict and shows the table.
+    pub fn push(&mut self, trial: &Trial, verdict: &str) {
+        self.rows
+            .push(trial_row(self.rows.len() + 1, trial, verdict));
+        let measured = trial.outcome.measured();
+        let number = json!({
+            "batch": trial.batch,
+            "rewrites": trial.options.flags(),
+            "verdict": verdict,
+            "peak_allocated": measured.filter(|m| m.cuda).map(|m| m.peak_allocated),
+            "peak_reserved": measured.filter(|m| m.cuda).map(|m| m.peak_reserved),
+            "step_seconds": measured.map(|m| m.step_seconds),
+            "losses": measured.map(|m| m.losses.clone()),
+        });
+        tracing::info!("trial {}: {number}", self.rows.len());
+        self.numbers.push(number);
+        self.show(&[]);
+    }
+
+    /// `display` in the table's place (the trials were progress; the result replaces them).
+    pub fn replaced_by(&self, mut display: Display) -> Display {
+        display.display_id = Some(self.id.clone());
+        display.update = !self.rows.is_empty();
+        display
+    }
+
+    /// Shows the table with `lines` under it.
+    pub fn show(&self, lines: &[String]) {
+        let table = Table {
+            header: trial_header(),
+            rows: self.rows.clone(),
+        };
+        (self.show)(table_display(
+            &self.heading,
+            &table,
+            lines,
+            json!({ "trials": self.numbers }),
+            Some((&self.id, self.rows.len() > 1 || !lines.is_empty())),
+        ));
+    }
+}
+
+/// A configuration's name for people: its flags, or "as written".
+pub fn name_of(options: &Options) -> String {
+    match options.flags() {
+        flags if flags.is_empty() => "the loop as written".into(),
+        flags => flags,
+    }
+}
+
+/// Whether a trial ran within `budget` (its peak reserved plus the context).
+pub fn fits_in(trial: &Trial, budget: u64, context: u64) -> bool {
+    trial
+        .outcome
+        .measured()
+        .is_some_and(|m| m.peak_reserved + context <= budget)
+}
+
+/// A confirmation's verdict in `--fit`'s table.
+pub fn verdict_of_fit(trial: &Trial) -> String {
+    match &trial.outcome {
+        Outcome::Ran(_) => "over the budget".into(),
+        other => verdict_of(other),
+    }
+}
+
+/// `--fit`'s result table: each confirmed candidate's predicted and measured peak and step time,
+/// and its losses against the first confirmed candidate that keeps the loop's arithmetic
+/// (no mixed precision, the same optimizer).
+pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) -> Display {
+    let reference = confirmed
+        .iter()
+        .find(|(c, t)| {
+            c.options.amp.is_none()
+                && c.options.optimizer.is_none()
+                && t.outcome.measured().is_some()
+        })
+        .and_then(|(c, t)| Some((name_of(&c.options), t.outcome.measured()?.losses.clone())));
+    let mut rows = Vec::new();
+    let mut numbers = Vec::new();
+    for (candidate, trial) in confirmed {
+        let measured = trial.outcome.measured();
+        let agreement = match (&reference, measured) {
+            (Some((_, losses)), Some(m)) => losses
+                .iter()
+                .zip(&m.losses)
+                .map(|(a, b)| (a - b).abs() / a.abs().max(1e-12))
+                // A NaN (a diverged loss) must show, not vanish in the maximum.
+                .fold(0.0f64, |m, d| {
+                    if m.is_nan() || d.is_nan() {
+                        f64::NAN
+                    } else {
+                        m.max(d)
+                    }
+                }),
+            _ => f64::NAN,
+        };
+        rows.push(vec![
+            name_of(&candidate.options),
+            human_bytes(candidate.prediction.peak_reserved + context),
+            measured.map_or_else(
+                || verdict_of(&trial.outcome),
+                |m| human_bytes(m.peak_reserved + context),
+            ),
+            format!("{:.1} ms", candidate.prediction.step_seconds * 1e3),
+            measured.map_or("—".into(), |m| format!("{:.1} ms", m.step_seconds * 1e3)),
+            if reference.is_none() || measured.is_none() {
+                "—".into()
+            } else if agreement.is_nan() {
+                "diverged (NaN)".into()
+            } else {
+                format!("{:.2}%", agreement * 100.0)
+            },
+            if fits_in(trial, budget, context) {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+        ]);
+        numbers.push(json!({
+            "rewrites": candidate.options.flags(),
+            "predicted_peak_reserved": candidate.prediction.peak_reserved,
+            "predicted_peak_allocated": candidate.prediction.peak_allocated,
+            "measured_peak_reserved": measured.map(|m| m.peak_reserved),
+            "measured_peak_allocated": measured.map(|m| m.peak_allocated),
+            "predicted_step_seconds": candidate.prediction.step_seconds,
+            "measured_step_seconds": measured.map(|m| m.step_seconds),
+            "context": context,
+            "fits": fits_in(trial, budget, context),
+        }));
+    }
+    let table = Table {
+        header: [
+            "rewrites",
+            "predicted peak",
+            "measured peak",
+            "predicted step",
+            "measured step",
+            "max loss difference",
+            "fits",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows,
+    };
+    let mut lines = vec![format!(
+        "Peaks count the allocator's reserved bytes plus {} of CUDA context; the budget is {}.",
+        human_bytes(context),
+        human_bytes(budget)
+    )];
+    if let Some((name, _)) = &reference {
+        lines.push(format!("Loss differences are relative, against {name}."));
+    }
+    table_display(
+        "%%optimize --fit: the candidates confirmed at the cell's batch",
+        &table,
+        &lines,
+        json!({ "confirmed": numbers, "budget": budget }),
+        None,
+    )
+}
+
+/// On CPU: the fixed terms only, exact.
+pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
+    let text = format!(
+        "Estimate, {what}: on CPU only the fixed terms are known (activations are calibrated on \
+         the CUDA allocator's counters):\n  parameters       {}\n  gradients        {}\n  \
+         optimizer state  {}\n  total            {}",
+        human_bytes(fixed.parameters),
+        human_bytes(fixed.gradients),
+        human_bytes(fixed.optimizer_state),
+        human_bytes(fixed.total())
+    );
+    let mut display = crate::report::text_display(text);
+    display.data.insert(
+        crate::report::fit::ESTIMATE_MIME.into(),
+        json!({
+            "what": what,
+            "parameters": fixed.parameters,
+            "gradients": fixed.gradients,
+            "optimizer_state": fixed.optimizer_state,
+        }),
+    );
+    display
 }
 
 #[cfg(test)]

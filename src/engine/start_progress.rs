@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tchmem_wire::Display;
 
-use super::streams::{CellOutput, OutputSink};
+use crate::session::{CellOutput, OutputSink};
 
 /// Written beside the slots after a prelude build: how many units a full one made.
 const UNITS_FILE: &str = "prelude-units";

@@ -7,20 +7,18 @@ use serde_json::{Map, Value};
 use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
 use tchmem_wire::Display;
 
-use super::errors::CellError;
-use super::session::Session;
-use super::streams::{CellOutput, StreamName};
-use super::{CellIo, CellOutcome};
+use super::{fail, Cells, Runner};
 use crate::magics::optimize::OptimizeRequest;
 use crate::magics::CellMagicSource;
 use crate::report::compare::{comparison_display, Side, SideFailure};
 use crate::rewrite::{self, Change, Refusal};
+use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName, StreamName};
 
 /// The error for a loop the rewriter will not touch: what it looked for, on which line of the
 /// cell, and where the patterns are described.
 fn refused(refusal: Refusal, body_offset: usize) -> CellError {
     CellError::new(
-        "RewriteRefused",
+        ErrorName::RewriteRefused,
         format!(
             "%%optimize did not rewrite this cell: {}\nNothing was run. `%%optimize --help` lists \
              the loops it understands.",
@@ -43,7 +41,7 @@ impl CodeOrigin {
         match self {
             CodeOrigin::Cell { body_offset } => refused(refusal, body_offset),
             CodeOrigin::Rewritten => CellError::new(
-                "RewriteRefused",
+                ErrorName::RewriteRefused,
                 format!(
                     "%%optimize --compare could not time the rewritten code shown above (line \
                      numbers are the rewritten code's): {refusal}\nThe original loop ran; the \
@@ -98,7 +96,7 @@ pub(super) fn compare_misleads(body: &str) -> Option<String> {
     })
 }
 
-impl Session {
+impl<R: Runner> Cells<R> {
     /// Runs one version of the loop for `steps` steps and returns its measurements, or the
     /// outcome that ends the comparison (a refusal, an interrupt, a crash).
     fn compare_side(
@@ -143,10 +141,6 @@ impl Session {
         source: &CellMagicSource<'_>,
         io: CellIo,
     ) -> CellOutcome {
-        let fail = |error| CellOutcome {
-            error: Some(error),
-            ..Default::default()
-        };
         self.last_training_cell = Some(source.body.to_string());
         if let Some(target) = request.fit {
             return self.optimize_fit(target, request, source, io);
@@ -168,7 +162,7 @@ impl Session {
             return self.run_cell_code(&rewritten.code, io);
         };
         if let Some(why) = compare_misleads(source.body) {
-            return fail(CellError::new("RewriteRefused", why));
+            return fail(CellError::new(ErrorName::RewriteRefused, why));
         }
         let mut run = |name, code, origin| self.compare_side(name, code, steps, origin, &io);
         let cell = CodeOrigin::Cell {
@@ -195,7 +189,7 @@ impl Session {
                 CellOutcome::default()
             }
             (Err(original), Err(rewritten)) => fail(CellError::new(
-                "CompareFailed",
+                ErrorName::CompareFailed,
                 format!(
                     "neither version ran: the original failed with {original}; the rewritten \
                      one with {rewritten}"
@@ -219,7 +213,7 @@ fn measured(outcome: CellOutcome) -> Side {
         .filter(|run| !run.losses.is_empty())
         .ok_or_else(|| {
             SideFailure::new(
-                "NoStep",
+                ErrorName::NoStep,
                 "no training step was recorded (the loop ran no optimizer step)",
             )
         })

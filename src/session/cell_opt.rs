@@ -44,7 +44,7 @@ impl CellOpt {
         std::fs::write(
             &self.config,
             format!(
-                "# Written by tchmem (src/engine/cell_opt.rs): the optimisation level of cells'\n\
+                "# Written by tchmem (src/session/cell_opt.rs): the optimisation level of cells'\n\
                  # own code (evcxr's crate `ctx`); their dependencies keep evcxr's level. `:opt N`\n\
                  # in a cell changes it.\n\
                  [profile.dev.package.ctx]\nopt-level = {}\n{}",

@@ -1,0 +1,411 @@
+//! The cells layer over a fake runner: what a cell means, tested in milliseconds without a
+//! compiler or libtorch. The fake answers trials like a GPU with a known allocator limit, so the
+//! orchestration (trial outcomes, the batch search, OOM diagnosis, `--fit`'s choice) runs for
+//! real on it.
+
+use std::sync::Mutex;
+
+use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
+use tchmem_wire::estimate::{DeviceRoom, DEVICE_ROOM_MIME};
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+/// A simulated training step on a GPU: the peak is `fixed + per_sample · batch` (a third of the
+/// activations under checkpointing, half under bf16, a K-th under K micro-batches); a peak over
+/// `limit` runs out of memory as libtorch reports it.
+#[derive(Clone, Copy)]
+struct Gpu {
+    limit: u64,
+    fixed: u64,
+    per_sample: u64,
+}
+
+impl Gpu {
+    fn peak(&self, code: &str) -> u64 {
+        let batch = batch_of(code);
+        let mut per_sample = self.per_sample;
+        if code.contains("tchmem::checkpoint::") {
+            per_sample /= 3;
+        }
+        if code.contains("tchmem::amp::autocast") {
+            per_sample /= 2;
+        }
+        let micro = match accumulation_of(code) {
+            Some(k) => batch.div_ceil(k),
+            None => batch,
+        };
+        self.fixed + per_sample * micro
+    }
+
+    fn answer(&self, code: &str) -> CellOutcome {
+        if code.contains("tchmem::estimate::room()") {
+            let room = DeviceRoom {
+                total: self.limit,
+                free: self.limit,
+                reserved: 0,
+                allocated: 0,
+                fraction: 1.0,
+                context: Some(500 * MIB),
+            };
+            return data(
+                DEVICE_ROOM_MIME,
+                serde_json::to_string(&Some(room)).unwrap(),
+            );
+        }
+        if !code.contains("tchmem::compare::begin") {
+            return CellOutcome::default();
+        }
+        let peak = self.peak(code);
+        if peak > self.limit {
+            return fail(CellError::new(
+                ErrorName::Panic,
+                "Torch(\"CUDA out of memory. Tried to allocate 2.00 GiB\")",
+            ));
+        }
+        let run = CompareRun {
+            steps_wanted: 3,
+            losses: vec![2.30, 2.20, 2.10],
+            step_seconds: vec![0.5, 0.1, 0.1],
+            allocated_at_begin: Some(0),
+            peak_allocated: Some(peak),
+            peak_reserved: Some(peak),
+            allocated_after_step: Some(self.fixed),
+            ..Default::default()
+        };
+        data(COMPARE_RUN_MIME, serde_json::to_string(&run).unwrap())
+    }
+}
+
+/// The batch literal the trial put into the cell (`let batch_size: i64 = N;`).
+fn batch_of(code: &str) -> u64 {
+    let (_, rest) = code
+        .split_once("let batch_size: i64 = ")
+        .expect("the cell binds its batch");
+    rest.split(';').next().unwrap().trim().parse().unwrap()
+}
+
+/// K of a `--accumulate K` rewrite, as the rewritten loop splits its batch.
+fn accumulation_of(code: &str) -> Option<u64> {
+    let (_, rest) = code.split_once("tchmem::accumulate::split(")?;
+    let args = rest.split(')').next()?;
+    args.rsplit(',').next()?.trim().parse().ok()
+}
+
+fn data(mime: &str, json: String) -> CellOutcome {
+    CellOutcome {
+        data: [(mime.to_string(), json)].into(),
+        ..Default::default()
+    }
+}
+
+/// A runner that answers from a script and keeps what it was asked to run.
+struct FakeRunner {
+    answer: Box<dyn FnMut(&str) -> CellOutcome>,
+    ran: Vec<String>,
+    generation: u64,
+    variables: Vec<(String, String)>,
+}
+
+impl FakeRunner {
+    fn new(answer: impl FnMut(&str) -> CellOutcome + 'static) -> FakeRunner {
+        FakeRunner {
+            answer: Box::new(answer),
+            ran: Vec::new(),
+            generation: 0,
+            variables: Vec::new(),
+        }
+    }
+
+    fn on(gpu: Gpu) -> FakeRunner {
+        FakeRunner::new(move |code| gpu.answer(code))
+    }
+}
+
+impl Runner for FakeRunner {
+    fn run(&mut self, code: &str, _io: CellIo) -> CellOutcome {
+        self.ran.push(code.to_string());
+        (self.answer)(code)
+    }
+
+    fn has_runtime(&self) -> bool {
+        true
+    }
+
+    fn process_generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn variables(&self) -> Vec<(String, String)> {
+        self.variables.clone()
+    }
+
+    fn take_commands(&mut self, code: &str) -> (String, Vec<Result<String, String>>) {
+        (code.to_string(), Vec::new())
+    }
+
+    fn set_line_tables(&mut self, _on: bool) {}
+
+    fn generated_source(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// What a cell showed: every display's plain text and every stream's text, in order.
+#[derive(Clone, Default)]
+struct Shown(Arc<Mutex<Vec<String>>>);
+
+impl Shown {
+    fn io(&self) -> CellIo {
+        let shown = Arc::clone(&self.0);
+        CellIo {
+            output: Arc::new(move |output| {
+                let text = match output {
+                    CellOutput::Stream(_, text) => text,
+                    CellOutput::Display(display) => {
+                        let text = display.data.get("text/plain").and_then(|t| t.as_str());
+                        text.unwrap_or_default().to_string()
+                    }
+                    CellOutput::ClearOutput { .. } => return,
+                };
+                shown.lock().unwrap().push(text);
+            }),
+            input: None,
+        }
+    }
+
+    fn last(&self) -> String {
+        self.0.lock().unwrap().last().cloned().unwrap_or_default()
+    }
+
+    fn all(&self) -> String {
+        self.0.lock().unwrap().join("\n")
+    }
+}
+
+const LOOP: &str = "\
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+let batch_size: i64 = 64;
+let vs = nn::VarStore::new(Device::Cuda(0));
+let model = nn::seq()
+    .add(nn::linear(vs.root() / \"a\", 64, 256, Default::default()))
+    .add_fn(|x| x.relu())
+    .add(nn::linear(vs.root() / \"b\", 256, 10, Default::default()));
+let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
+let xs = Tensor::randn([batch_size, 64], (Kind::Float, Device::Cuda(0)));
+let ys = Tensor::randint(10, [batch_size], (Kind::Int64, Device::Cuda(0)));
+for _ in 0..3 {
+    let loss = model.forward(&xs).cross_entropy_for_logits(&ys);
+    opt.backward_step(&loss);
+}
+";
+
+fn cells(runner: FakeRunner) -> Cells<FakeRunner> {
+    let dir = std::env::temp_dir().join(format!("tchmem-cells-test-{}", std::process::id()));
+    Cells::new(runner, dir)
+}
+
+fn gpu() -> Gpu {
+    Gpu {
+        limit: 8 * 1024 * MIB,
+        fixed: 1024 * MIB,
+        per_sample: 64 * MIB,
+    }
+}
+
+#[test]
+fn let_bindings_are_recognised() {
+    assert!(binds("let vs = nn::VarStore::new(d);", "vs"));
+    assert!(binds("let mut vs: nn::VarStore = x;", "vs"));
+    assert!(!binds("let vs2 = 1; watch(&vs);", "vs"));
+    assert!(!binds("tchmem::watch(&vs);", "vs"));
+}
+
+#[test]
+fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
+    let answers = Arc::new(Mutex::new(Vec::<CellOutcome>::new()));
+    let queue = Arc::clone(&answers);
+    let mut cells = cells(FakeRunner::new(move |code| {
+        if code.contains("tchmem::compare::begin") {
+            queue.lock().unwrap().remove(0)
+        } else {
+            gpu().answer(code)
+        }
+    }));
+    let cell = cells
+        .training_cell(
+            &magics::CellMagicSource {
+                line: "%memfit",
+                body: LOOP,
+                body_offset: 1,
+            },
+            "%memfit",
+        )
+        .unwrap();
+    let options = rewrite::Options::default();
+    answers.lock().unwrap().extend([
+        gpu().answer("let batch_size: i64 = 8;\ntchmem::compare::begin(3);"),
+        fail(CellError::new(ErrorName::Panic, "CUDA out of memory")),
+        fail(CellError::new(ErrorName::Panic, "index out of bounds")),
+        fail(CellError::new(ErrorName::Interrupted, "stopped")),
+    ]);
+    let ran = cells.trial(&cell, &options, 8, 3).ok().unwrap();
+    assert!(matches!(ran.outcome, crate::fit::trial::Outcome::Ran(_)));
+    let oom = cells.trial(&cell, &options, 8, 3).ok().unwrap();
+    assert_eq!(oom.outcome, crate::fit::trial::Outcome::OutOfMemory);
+    let failed = cells.trial(&cell, &options, 8, 3).ok().unwrap();
+    assert_eq!(
+        failed.outcome,
+        crate::fit::trial::Outcome::Failed("Panic: index out of bounds".into())
+    );
+    let stopped = cells.trial(&cell, &options, 8, 3);
+    assert!(matches!(stopped, Err(super::trial::TrialError::Stopped(_))));
+    // Each trial ran the cell at the batch it was asked for.
+    let trials: Vec<u64> = cells
+        .runner
+        .ran
+        .iter()
+        .filter(|code| code.contains("tchmem::compare::begin"))
+        .map(|code| batch_of(code))
+        .collect();
+    assert_eq!(trials, [8, 8, 8, 8]);
+}
+
+#[test]
+fn memfit_finds_the_largest_batch_the_simulated_allocator_takes() {
+    let gpu = gpu();
+    let mut cells = cells(FakeRunner::on(gpu));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%memfit --margin 10%\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None);
+    // 10% margin: ≤ 0.9 · 8 GiB reserved, so (7372.8 MiB − 1024 MiB) / 64 MiB = 99.2 → 99.
+    let allowed = (gpu.limit as f64 * 0.9) as u64;
+    let best = (allowed - gpu.fixed) / gpu.per_sample;
+    assert_eq!(best, 99);
+    let text = shown.last();
+    assert!(
+        text.contains(&format!("Largest batch that fits: {best} ")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("let batch_size = {best};")),
+        "{text}"
+    );
+    let trials = cells
+        .runner
+        .ran
+        .iter()
+        .filter(|code| code.contains("tchmem::compare::begin"))
+        .count();
+    assert!(trials <= 8, "{trials} trials");
+}
+
+#[test]
+fn memfit_without_a_device_runs_nothing_and_says_why() {
+    let mut cells = cells(FakeRunner::new(|code| {
+        if code.contains("tchmem::estimate::room()") {
+            data(DEVICE_ROOM_MIME, "null".into())
+        } else {
+            CellOutcome::default()
+        }
+    }));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%memfit\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None);
+    assert!(
+        shown.all().contains("no CUDA device here"),
+        "{}",
+        shown.all()
+    );
+    assert!(!cells
+        .runner
+        .ran
+        .iter()
+        .any(|c| c.contains("compare::begin")));
+}
+
+#[test]
+fn an_oom_in_a_training_cell_is_diagnosed_with_measured_fixes() {
+    let gpu = gpu();
+    let mut cells = cells(FakeRunner::new(move |code| {
+        if code.contains("tchmem::compare::begin") || code.contains("room()") {
+            gpu.answer(code)
+        } else if code.contains("backward_step") {
+            // The cell itself, at its batch of 256: over the limit.
+            fail(CellError::new(ErrorName::Panic, "CUDA out of memory"))
+        } else {
+            CellOutcome::default()
+        }
+    }));
+    let shown = Shown::default();
+    let outcome = cells.execute(&LOOP.replace("= 64;", "= 256;"), shown.io());
+    let error = outcome.error.expect("the cell failed");
+    assert_eq!(error.ename, ErrorName::OutOfMemory);
+    // Two calibration trials below the failing batch, then fixes ranked from them.
+    assert!(
+        error.evalue.contains("Measured (trials at batch_size ="),
+        "{}",
+        error.evalue
+    );
+    assert!(error.evalue.contains("\n  1. "), "{}", error.evalue);
+    assert!(error.evalue.contains("batch_size"), "{}", error.evalue);
+}
+
+#[test]
+fn optimize_fit_runs_the_fastest_configuration_that_fits_the_budget() {
+    // As written the loop needs 1 GiB + 64 MiB · 64 = 5 GiB: over a 3 GiB budget, which
+    // checkpointing (1 GiB + 21 MiB · 64) or bf16 meet.
+    let mut cells = cells(FakeRunner::on(gpu()));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%%optimize --fit 3GiB\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let text = shown.all();
+    assert!(text.contains("%%optimize --fit"), "{text}");
+    // The loop that ran last (after the trials) is a rewrite, not the loop as written.
+    let last = cells.runner.ran.last().unwrap();
+    assert!(
+        [
+            "tchmem::checkpoint::",
+            "tchmem::amp::",
+            "tchmem::accumulate::"
+        ]
+        .iter()
+        .any(|rewrite| last.contains(rewrite)),
+        "{last}"
+    );
+    assert_eq!(batch_of(last), 64, "the cell's own batch runs");
+}
+
+#[test]
+fn a_magic_mistake_is_explained_and_runs_nothing() {
+    let mut cells = cells(FakeRunner::on(gpu()));
+    let outcome = cells.execute(&format!("%memfit --margin lots\n{LOOP}"), CellIo::quiet());
+    let error = outcome.error.expect("refused");
+    assert_eq!(error.ename, ErrorName::MagicError);
+    assert!(cells.runner.ran.is_empty());
+    let outcome = cells.execute("%memestimate", CellIo::quiet());
+    assert_eq!(outcome.error.unwrap().ename, ErrorName::NoTrainingCell);
+}
+
+#[test]
+fn var_stores_are_watched_once_per_process() {
+    let mut runner = FakeRunner::new(|_| CellOutcome::default());
+    runner.variables = vec![("vs".into(), "tch::nn::VarStore".into())];
+    let mut cells = cells(runner);
+    cells.execute("let x = 1;", CellIo::quiet());
+    cells.execute("let y = 2;", CellIo::quiet());
+    let watches = |cells: &Cells<FakeRunner>| {
+        cells
+            .runner
+            .ran
+            .iter()
+            .filter(|code| code.contains("tchmem::watch(&vs)"))
+            .count()
+    };
+    assert_eq!(watches(&cells), 1);
+    // A new process holds the store anew: it is watched again.
+    cells.runner.generation += 1;
+    cells.execute("let z = 3;", CellIo::quiet());
+    assert_eq!(watches(&cells), 2);
+}

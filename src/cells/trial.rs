@@ -1,0 +1,204 @@
+//! Trials of a training cell: a few optimizer steps at one batch size, under chosen rewrites,
+//! measured by the `--compare` instrumentation and run quietly; calibration is a series of them.
+//! `%memestimate`, `%memfit`, `%%optimize --fit` and the OOM diagnosis are built on these.
+
+use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
+use tchmem_wire::estimate::{DeviceRoom, OptimizerRule, DEVICE_ROOM_MIME};
+
+use super::optimize::{compare_cell, compare_misleads};
+use super::{Cells, Runner};
+use crate::fit::estimate::{calibration_batches, fallback_batch, Calibration};
+use crate::fit::trial::{Measured, Outcome, Trial};
+use crate::magics::CellMagicSource;
+use crate::report::fit::{verdict_of, LiveTable};
+use crate::rewrite::batch::{self, BatchBinding};
+use crate::rewrite::{self, Options, Refusal};
+use crate::session::{CellError, CellIo, CellOutcome, ErrorName};
+
+/// Steps of a calibration trial (a confirmation takes one more): the first creates the
+/// optimizer's state, the later ones run with it (and give a step time past the warm-up).
+pub(super) const TRIAL_STEPS: u32 = 3;
+/// Trials one calibration may take (the quarters towards a batch that fits included).
+const MAX_CALIBRATION_TRIALS: usize = 6;
+
+/// Why a trial did not give a result.
+pub(super) enum TrialError {
+    /// The rewrite would not apply to the cell.
+    Refused(Refusal),
+    /// An interrupt or a crash: the whole magic stops.
+    Stopped(Box<CellOutcome>),
+}
+
+/// The training cell a magic acts on, with its batch binding: the magic's own body, or the last
+/// training cell that ran.
+pub(super) struct TrainingCell {
+    pub code: String,
+    /// Line N of `code` is line N + `offset` of the magic's cell (0 for an earlier cell).
+    pub offset: usize,
+    pub binding: BatchBinding,
+    /// The optimizer's state rule; a cell whose optimizer is not recognised counts none (its
+    /// state then lies on the calibration's line).
+    pub rule: OptimizerRule,
+}
+
+impl<R: Runner> Cells<R> {
+    /// The training cell `source` names: its body, or (none) the last training cell that ran.
+    pub(super) fn training_cell(
+        &mut self,
+        source: &CellMagicSource<'_>,
+        magic: &str,
+    ) -> Result<TrainingCell, CellError> {
+        let (code, offset) = if source.body.trim().is_empty() {
+            match &self.last_training_cell {
+                Some(code) => (code.clone(), 0),
+                None => {
+                    return Err(CellError::new(
+                        ErrorName::NoTrainingCell,
+                        format!(
+                            "{magic} acts on a training cell: put it on the first line of the \
+                             cell with the loop, or run the training cell first"
+                        ),
+                    ))
+                }
+            }
+        } else {
+            (source.body.to_string(), source.body_offset)
+        };
+        let refused = |refusal: Refusal| {
+            CellError::new(
+                ErrorName::RewriteRefused,
+                format!(
+                    "{magic} cannot vary this cell's batch: {}",
+                    refusal.shifted(offset)
+                ),
+            )
+        };
+        let binding = batch::find(&code).map_err(refused)?;
+        if let Some(why) = compare_misleads(&code) {
+            return Err(CellError::new(
+                ErrorName::RewriteRefused,
+                format!("{magic} runs the cell in trials: {why}"),
+            ));
+        }
+        let rule = rewrite::training_facts(&code)
+            .optimizer
+            .map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
+        self.last_training_cell = Some(code.clone());
+        Ok(TrainingCell {
+            code,
+            offset,
+            binding,
+            rule,
+        })
+    }
+
+    /// Runs `cell` at `batch` under `options` for `steps` steps, quietly (its own output is
+    /// dropped: the magic's table says what happened).
+    pub(super) fn trial(
+        &mut self,
+        cell: &TrainingCell,
+        options: &Options,
+        batch: u64,
+        steps: u32,
+    ) -> Result<Trial, TrialError> {
+        let sized = batch::replace(&cell.code, &cell.binding, batch);
+        // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
+        // loop as written goes through it too; if it will not mark them, the loop runs as is.
+        let code = match rewrite::rewrite(&sized, options) {
+            Ok(rewritten) => rewritten.code,
+            Err(_) if options.is_empty() => sized,
+            Err(refusal) => return Err(TrialError::Refused(refusal.shifted(cell.offset))),
+        };
+        let instrumented = rewrite::instrument_for_compare(&code)
+            .map_err(|refusal| TrialError::Refused(refusal.shifted(cell.offset)))?;
+        let outcome = self.run_cell_code(&compare_cell(&instrumented, steps), CellIo::quiet());
+        let result = match &outcome.error {
+            Some(error) if error.stops_the_run() => {
+                return Err(TrialError::Stopped(Box::new(outcome)))
+            }
+            Some(error) if error.ename == ErrorName::OutOfMemory => Outcome::OutOfMemory,
+            Some(error) => Outcome::Failed(format!(
+                "{}: {}",
+                error.ename,
+                error.evalue.lines().next().unwrap_or_default()
+            )),
+            None => outcome
+                .data
+                .get(COMPARE_RUN_MIME)
+                .and_then(|json| serde_json::from_str::<CompareRun>(json).ok())
+                .and_then(|run| Measured::of(&run))
+                .map_or_else(
+                    || Outcome::Failed("no training step was recorded".into()),
+                    Outcome::Ran,
+                ),
+        };
+        Ok(Trial {
+            options: options.clone(),
+            batch,
+            outcome: result,
+        })
+    }
+
+    /// The device's room now (`None` without CUDA).
+    pub(super) fn device_room(&mut self) -> Option<DeviceRoom> {
+        let outcome = self.run("tchmem::estimate::room()", CellIo::quiet());
+        let json = outcome.data.get(DEVICE_ROOM_MIME)?;
+        serde_json::from_str::<Option<DeviceRoom>>(json)
+            .ok()
+            .flatten()
+    }
+
+    /// Calibration trials of `options` for `target`, shown in `table`; `Ok(None)` when one did
+    /// not run (its verdict is in the table).
+    pub(super) fn calibrate(
+        &mut self,
+        cell: &TrainingCell,
+        options: &Options,
+        target: u64,
+        table: &mut LiveTable,
+    ) -> Result<Result<Calibration, String>, TrialError> {
+        let mut points: Vec<(u64, Measured)> = Vec::new();
+        let mut batches = calibration_batches(target);
+        let mut tried = 0;
+        while !batches.is_empty() && tried < MAX_CALIBRATION_TRIALS {
+            let b = batches.remove(0);
+            tried += 1;
+            let trial = self.trial(cell, options, b, TRIAL_STEPS)?;
+            table.push(
+                &trial,
+                &format!("calibration: {}", verdict_of(&trial.outcome)),
+            );
+            match trial.outcome {
+                Outcome::Ran(measured) => points.push((b, measured)),
+                // Not even the smaller point fits: a quarter of it (far too large a batch is
+                // what an OOM diagnosis starts from).
+                Outcome::OutOfMemory if points.is_empty() && b > 1 => {
+                    let small = (b / 4).max(1);
+                    batches = vec![small, (b / 2).max(small + 1)];
+                    batches.dedup();
+                }
+                // The larger point did not fit: calibrate below the smaller one instead.
+                Outcome::OutOfMemory if !points.is_empty() => match fallback_batch(points[0].0) {
+                    Some(lower) => batches.push(lower),
+                    None => break,
+                },
+                other => {
+                    return Ok(Err(format!(
+                        "the calibration trial at batch {b} {}",
+                        verdict_of(&other)
+                    )))
+                }
+            }
+        }
+        if points.is_empty() {
+            return Ok(Err(format!(
+                "no calibration trial fitted in {tried} trials"
+            )));
+        }
+        points.sort_by_key(|(b, _)| *b);
+        Ok(Ok(Calibration {
+            points,
+            rule: cell.rule,
+        }))
+    }
+}

@@ -1,0 +1,463 @@
+//! The evcxr half of a session: owns evcxr's context and the process that runs cells, compiles
+//! and runs code, and answers completion and inspection. It knows no magic: what a cell means
+//! (magics, records, rewrites) is the `cells` layer's, which drives it through [`Runner`].
+
+mod cell_opt;
+mod completion;
+mod context;
+pub mod control;
+pub mod errors;
+mod infer;
+mod outcome;
+mod positions;
+mod rich;
+mod runner;
+mod streams;
+pub mod workdir;
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use evcxr::{CommandContext, EvalCallbacks};
+
+pub use completion::metadata as completion_metadata;
+pub use context::{EngineConfig, TCH_VERSION};
+pub use control::Control;
+pub use errors::{CellError, ErrorName};
+pub use outcome::{CellIo, CellOutcome, CompletionOutcome, InputFn, InspectOutcome};
+pub use runner::Runner;
+pub use streams::{CellOutput, OutputSink, StreamName};
+
+use context::create_context;
+use errors::Termination;
+use positions::char_to_byte;
+use streams::StreamPump;
+use tchmem_wire::{CellReport, CELL_REPORT_MIME};
+
+use crate::cell_syntax::{self, Syntax, Tail};
+
+/// When evcxr's analysis could not type a variable the cell defines: the cell with the types
+/// the compiler names written out (see [`infer`]), after telling the user; `None` when
+/// the compiler cannot help either.
+fn typed_by_compiler(
+    context: &mut CommandContext,
+    code: &str,
+    message: &str,
+    output: &OutputSink,
+) -> Option<String> {
+    let variable = infer::unknown_variable(message)?;
+    let lets = infer::untyped_lets(code).unwrap_or_default();
+    tracing::debug!("type probe for `{variable}`: untyped lets {lets:?}");
+    if lets.is_empty() {
+        return None;
+    }
+    let probe = context.execute(&infer::probe_cell(code, &lets));
+    let errors = match probe {
+        Err(evcxr::Error::CompilationErrors(errors)) => errors,
+        other => {
+            tracing::debug!("type probe: no compile errors to read: {:?}", other.err());
+            return None;
+        }
+    };
+    tracing::debug!(
+        "type probe: {:?}",
+        errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
+    );
+    let types: Vec<String> = errors
+        .iter()
+        .filter(|e| e.code() == Some("E0308"))
+        .map(|e| infer::found_type(&e.rendered()))
+        .collect::<Option<_>>()?;
+    if types.len() != lets.len() {
+        return None;
+    }
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: the code analysis could not tell the type of `{variable}`; the compiler \
+             names {}, so the cell runs with that written out (a type the cell has not \
+             imported needs a `use`, or write the type yourself)\n",
+            lets.iter()
+                .zip(&types)
+                .map(|(l, t)| format!("`{}: {t}`", l.probe))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ));
+    Some(infer::annotate(code, &lets, &types))
+}
+
+/// The file in a compile directory that says its dependencies were checked (see
+/// `Session::check_dependencies`).
+const DEPENDENCIES_CHECKED: &str = "tchmem-dependencies-checked";
+
+/// How long to wait for the end of a cell's stderr after the cell returned.
+const STDERR_GRACE: Duration = Duration::from_secs(5);
+
+/// The evcxr context and what goes with it.
+pub struct Session {
+    context: Option<(CommandContext, StreamPump)>,
+    /// Told to the user with the next cell's output (tch missing, prelude failed, …).
+    notices: Vec<String>,
+    /// Why the context could not be created; every cell reports it.
+    fatal: Option<String>,
+    /// Code that sets up a fresh child process (installs the runtime's panic hook); re-run after
+    /// the child was restarted.
+    child_setup: Option<&'static str>,
+    /// The child was restarted (crash, interrupt) and has not been set up again.
+    child_restarted: bool,
+    /// How many times a new child replaced the old one (see [`Runner::process_generation`]).
+    generation: u64,
+    /// The compile directory (its generated `src/lib.rs` maps stacks to cells).
+    workdir: std::path::PathBuf,
+    /// The cells' own optimisation level (`:opt`); `None` when its file could not be written.
+    cell_opt: Option<cell_opt::CellOpt>,
+    control: Arc<Control>,
+}
+
+impl Session {
+    /// Creates the context and compiles the prelude.
+    pub fn start(config: EngineConfig, control: Arc<Control>) -> Session {
+        let started = Instant::now();
+        let mut session = Session {
+            context: None,
+            notices: Vec::new(),
+            fatal: None,
+            child_setup: None,
+            child_restarted: false,
+            generation: 0,
+            workdir: config.workdir.clone(),
+            cell_opt: None,
+            control,
+        };
+        match create_context(&config) {
+            Ok((context, outputs)) => {
+                *session
+                    .control
+                    .child
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(context.process_handle());
+                let pump = StreamPump::start(outputs.stdout, outputs.stderr);
+                session.context = Some((context, pump));
+                session.cell_opt = cell_opt::CellOpt::start(&config.workdir)
+                    .inspect_err(|error| {
+                        tracing::warn!("cells keep evcxr's optimisation level: {error}")
+                    })
+                    .ok();
+            }
+            Err(error) => {
+                tracing::error!("{error:#}");
+                session.fatal = Some(format!("{error:#}"));
+                return session;
+            }
+        }
+        if let Some(problem) = &config.libtorch_problem {
+            session
+                .notices
+                .push(format!("tch is not available in this kernel: {problem}"));
+        }
+        if let Some(prelude) = config.prelude() {
+            tracing::info!("compiling the prelude (tch {})", TCH_VERSION);
+            let sink: OutputSink = Arc::new(|output| tracing::debug!("prelude: {output:?}"));
+            let outcome = session.run_code(
+                &prelude,
+                CellIo {
+                    output: sink,
+                    input: None,
+                },
+            );
+            if outcome.error.is_none() {
+                session.child_setup = Some(context::CHILD_SETUP);
+                session.check_dependencies(&config.workdir, &prelude);
+            }
+            if let Some(error) = outcome.error {
+                session.notices.push(format!(
+                    "tch could not be added to this kernel: {}\n{}",
+                    error.evalue,
+                    error.traceback.join("\n")
+                ));
+            }
+        }
+        tracing::info!("engine ready in {:.1} s", started.elapsed().as_secs_f64());
+        session
+    }
+
+    /// Whether the prelude (tch and the runtime) compiled and loaded.
+    pub fn prelude_loaded(&self) -> bool {
+        self.fatal.is_none() && self.child_setup.is_some()
+    }
+
+    /// Has `cargo check` build the dependencies' metadata now. evcxr answers a cell whose
+    /// variable types its analysis cannot tell (`let c = a + y;` with `y` undefined) with `cargo
+    /// check`, and the first check in a compile directory checks every dependency, tch included:
+    /// the user's first such compile error came back after 83 s (2 shared cores). Done once per
+    /// compile directory and prelude (36 s in a fresh one); a marker file in the directory,
+    /// holding the prelude that was checked, spares later starts the 0.4 s of a repeated check.
+    fn check_dependencies(&mut self, workdir: &Path, prelude: &str) {
+        let marker = workdir.join(DEPENDENCIES_CHECKED);
+        if std::fs::read_to_string(&marker).is_ok_and(|checked| checked == prelude) {
+            return;
+        }
+        let Some((context, _)) = self.context.as_mut() else {
+            return;
+        };
+        let started = Instant::now();
+        match context.check("") {
+            Ok(_) => {
+                if let Err(error) = std::fs::write(&marker, prelude) {
+                    tracing::warn!("could not write {}: {error}", marker.display());
+                }
+            }
+            Err(error) => tracing::warn!("could not check the dependencies: {error}"),
+        }
+        tracing::info!(
+            "dependencies checked in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+
+    /// Runs Rust code (and evcxr commands) in the context.
+    fn run_code(&mut self, code: &str, io: CellIo) -> CellOutcome {
+        self.set_up_restarted_child();
+        for notice in self.notices.drain(..) {
+            (io.output)(CellOutput::Stream(
+                StreamName::Stderr,
+                format!("{notice}\n"),
+            ));
+        }
+        let Some((context, pump)) = self.context.as_mut() else {
+            let why = self.fatal.clone().unwrap_or_default();
+            return CellOutcome {
+                error: Some(CellError::new(ErrorName::KernelNotReady, why)),
+                ..Default::default()
+            };
+        };
+        let ends_in_value = !matches!(
+            cell_syntax::read(code),
+            Syntax::Valid(Tail::Statement | Tail::Unit)
+        );
+        pump.attach(Arc::clone(&io.output), ends_in_value);
+        let input = io.input;
+        let mut callbacks = EvalCallbacks {
+            input_reader: &move |request| match &input {
+                Some(ask) => ask(&request.prompt, request.is_password),
+                None => String::new(),
+            },
+        };
+        self.control
+            .interrupt_requested
+            .store(false, Ordering::SeqCst);
+        let child_before = self.control.child_pid();
+        self.control.set_running(true);
+        let started = Instant::now();
+        let mut result = context.execute_with_callbacks(code, &mut callbacks);
+        tracing::debug!("evcxr compiled and ran the cell in {:?}", started.elapsed());
+        // The code compile errors point into: the cell, or the cell with types written out.
+        let mut compiled = std::borrow::Cow::Borrowed(code);
+        if let Err(evcxr::Error::Message(message)) = &result {
+            if let Some(annotated) = typed_by_compiler(context, code, message, &io.output) {
+                result = context.execute_with_callbacks(&annotated, &mut callbacks);
+                compiled = annotated.into();
+            }
+        }
+        self.control.set_running(false);
+        // A crash, an interrupt, or evcxr's :restart / :clear: a new child needs setting up.
+        if self.control.child_pid() != child_before {
+            self.child_restarted = true;
+            self.generation += 1;
+        }
+        let interrupted = self
+            .control
+            .interrupt_requested
+            .swap(false, Ordering::SeqCst);
+
+        let mut outcome = CellOutcome::default();
+        let mut timing = None;
+        match result {
+            Ok(outputs) => {
+                // What evcxr collected: the child's report and the output of `:` commands (the
+                // cell's own rich output comes through the pump).
+                let mut data = outputs.content_by_mime_type;
+                outcome.report = data
+                    .remove(CELL_REPORT_MIME)
+                    .and_then(|json| serde_json::from_str::<CellReport>(&json).ok());
+                outcome.data = data.into_iter().collect();
+                timing = outputs.timing;
+            }
+            Err(error) => {
+                let termination = if interrupted {
+                    Termination::Interrupted
+                } else {
+                    Termination::Crashed
+                };
+                outcome.error = Some(errors::from_evcxr(error, &compiled, termination));
+            }
+        }
+        let took = timing.map(|timing| format!("Took {}ms\n", timing.as_millis()));
+        settle_output(pump, &mut outcome, &io.output, took.as_deref());
+        tracing::debug!(
+            "the cell's output was drained {:?} after it began",
+            started.elapsed()
+        );
+        outcome
+    }
+
+    /// After evcxr's `:restart`, a crash or an interrupt: the new child gets the runtime's set-up.
+    fn set_up_restarted_child(&mut self) {
+        if !std::mem::take(&mut self.child_restarted) {
+            return;
+        }
+        let Some(setup) = self.child_setup else {
+            return;
+        };
+        // The first cell after evcxr's :restart can take the new child down again (evcxr still
+        // expects the old variables); evcxr then starts a clean one, so one more try.
+        for attempt in 1..=2 {
+            let outcome = self.run_code(setup, CellIo::quiet());
+            match outcome.error {
+                None => break,
+                Some(error) => tracing::warn!(
+                    "could not set up the restarted child (attempt {attempt}): {}",
+                    error.evalue
+                ),
+            }
+        }
+        self.child_restarted = false;
+    }
+    /// Completions at a character cursor.
+    pub fn complete(&mut self, code: &str, cursor: usize) -> CompletionOutcome {
+        let Some((context, _)) = self.context.as_mut() else {
+            return CompletionOutcome::default();
+        };
+        let byte = char_to_byte(code, cursor);
+        match context.completions(code, byte) {
+            Ok(found) => completion::from_evcxr(found, code),
+            Err(error) => {
+                tracing::debug!("completion failed: {error}");
+                CompletionOutcome {
+                    start: cursor,
+                    end: cursor,
+                    ..Default::default()
+                }
+            }
+        }
+    }
+
+    /// Runs one completion nobody asked for, so that the code analysis has loaded the crate
+    /// graph (tch's included) before the user's first request.
+    pub fn warm_up_analysis(&mut self) {
+        let started = Instant::now();
+        let found = self.complete("tch::Tensor::zer", "tch::Tensor::zer".len());
+        tracing::info!(
+            "code analysis ready in {:.1} s ({} completions for a test request)",
+            started.elapsed().as_secs_f64(),
+            found.matches.len()
+        );
+    }
+
+    /// Hover documentation at a character cursor.
+    pub fn inspect(&mut self, code: &str, cursor: usize) -> InspectOutcome {
+        let Some((context, _)) = self.context.as_mut() else {
+            return InspectOutcome::default();
+        };
+        // rust-analyzer hovers the token before the offset; extend to the end of the word so
+        // that a cursor in the middle of a name still finds it.
+        let mut byte = char_to_byte(code, cursor);
+        byte += code[byte..]
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(code.len() - byte);
+        match context.hover_at(code, byte) {
+            Ok((plain, html)) => InspectOutcome { plain, html },
+            Err(error) => {
+                tracing::debug!("inspect failed: {error}");
+                InspectOutcome::default()
+            }
+        }
+    }
+}
+
+impl Runner for Session {
+    fn run(&mut self, code: &str, io: CellIo) -> CellOutcome {
+        self.run_code(code, io)
+    }
+
+    fn has_runtime(&self) -> bool {
+        self.child_setup.is_some()
+    }
+
+    fn process_generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn variables(&self) -> Vec<(String, String)> {
+        self.context.as_ref().map_or_else(Vec::new, |(context, _)| {
+            context
+                .variables_and_types()
+                .map(|(name, ty)| (name.to_string(), ty.to_string()))
+                .collect()
+        })
+    }
+
+    fn take_commands(&mut self, code: &str) -> (String, Vec<Result<String, String>>) {
+        match self.cell_opt.as_mut() {
+            Some(cell_opt) => cell_opt.take_commands(code),
+            None => (code.to_string(), Vec::new()),
+        }
+    }
+
+    fn set_line_tables(&mut self, on: bool) {
+        if let Some(cell_opt) = self.cell_opt.as_mut() {
+            if let Err(error) = cell_opt.set_line_tables(on) {
+                tracing::warn!("could not switch the cells' line tables: {error}");
+            }
+        }
+    }
+
+    fn generated_source(&self) -> Vec<String> {
+        std::fs::read_to_string(self.workdir.join("src").join("lib.rs"))
+            .map(|text| text.lines().map(str::to_string).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Takes the rest of a cell's output off the pump: trailing rich blocks shown or kept as the
+/// result, evcxr's timing line, and the panic the cell died of (or survived).
+fn settle_output(
+    pump: &StreamPump,
+    outcome: &mut CellOutcome,
+    output: &OutputSink,
+    took: Option<&str>,
+) {
+    let token = outcome.report.as_ref().map(|r| r.sync_token.as_str());
+    let mut leftovers = pump.detach(token, STDERR_GRACE);
+    let panicked = outcome.report.as_ref().is_some_and(|r| r.panicked);
+    let succeeded = outcome.error.is_none() && !panicked;
+    let (shown, result) = std::mem::take(&mut leftovers.trailing).finish(succeeded);
+    for block in shown {
+        output(CellOutput::Display(rich::display(block)));
+    }
+    outcome
+        .data
+        .extend(result.into_iter().map(|block| (block.mime, block.content)));
+    // A cell ending in a call that returns `()` has nothing to show (as Python's None).
+    let data = &mut outcome.data;
+    if data.len() == 1 && data.get("text/plain").is_some_and(|text| text == "()") {
+        data.clear();
+    }
+    if let Some(took) = took {
+        output(CellOutput::Stream(StreamName::Stdout, took.to_string()));
+    }
+    if panicked {
+        outcome.error = Some(errors::panic(&leftovers));
+    } else {
+        // Panics the cell survived (a worker thread's, a caught one) are still worth seeing.
+        for panic in &leftovers.panics {
+            output(CellOutput::Stream(
+                StreamName::Stderr,
+                errors::describe_panic(panic),
+            ));
+        }
+    }
+}
