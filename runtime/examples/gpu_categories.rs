@@ -9,14 +9,14 @@
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tchmem::record;
+use tchmem::{hooks, record};
 
 fn main() {
     let device = Device::cuda_if_available();
     let (width, layers) = (5000, 8);
     // As the kernel does when a session starts: the context alone, for the NVML reconciliation.
     let at_start = record::measure_context();
-    record::before_cell();
+    hooks::before_cell();
     let vs = nn::VarStore::new(device);
     let mut model = nn::seq();
     for i in 0..layers {
@@ -25,7 +25,7 @@ fn main() {
             .add_fn(|x| x.relu());
     }
     tchmem::watch(&vs);
-    let built = record::after_cell();
+    let built = hooks::after_cell().record;
     let parameters: i64 = vs
         .trainable_variables()
         .iter()
@@ -37,11 +37,11 @@ fn main() {
     tchmem::watch_batch(&x);
     let mut steps = Vec::new();
     for _ in 0..2 {
-        record::before_cell();
+        hooks::before_cell();
         let loss =
             tchmem::phase::train_step(&mut opt, || model.forward(&x).square().mean(Kind::Float));
         eprintln!("loss {}", loss.double_value(&[]));
-        steps.push(record::after_cell());
+        steps.push(hooks::after_cell().record);
     }
 
     let json = serde_json::json!({

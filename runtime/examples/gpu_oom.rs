@@ -6,7 +6,7 @@
 //!     cargo run --release -p tchmem-runtime --example gpu_oom > oom.json
 
 use tch::{Device, Kind, Tensor};
-use tchmem::record;
+use tchmem::hooks;
 
 fn first_line(error: tch::TchError) -> String {
     error
@@ -22,16 +22,16 @@ fn main() {
     // As the kernel does when a session starts.
     let observer = tchmem::oom::attach_observer();
 
-    record::before_cell();
+    hooks::before_cell();
     // 1 Ti float32 elements = 4 TiB: more than any GPU has.
     let result = Tensor::f_zeros([1 << 40], (Kind::Float, device));
     let oversized = serde_json::json!({
         "allocation_failed": result.is_err(),
         "error": result.err().map(first_line),
-        "record": record::after_cell(),
+        "record": hooks::after_cell().record,
     });
 
-    record::before_cell();
+    hooks::before_cell();
     let mut held = Vec::new();
     let error = loop {
         match Tensor::f_zeros([1 << 30], (Kind::Float, device)) {
@@ -45,7 +45,7 @@ fn main() {
     let filled = serde_json::json!({
         "tensors_of_4_GiB_held": held.len(),
         "error": error,
-        "record": record::after_cell(),
+        "record": hooks::after_cell().record,
     });
     drop(held);
 

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tchmem::record;
+use tchmem::hooks;
 
 fn main() {
     let cells: usize = std::env::args()
@@ -33,8 +33,8 @@ fn main() {
     };
     for _ in 0..10 {
         step();
-        record::before_cell();
-        record::after_cell();
+        hooks::before_cell();
+        hooks::after_cell();
     }
 
     let started = Instant::now();
@@ -46,9 +46,9 @@ fn main() {
     let started = Instant::now();
     let mut categories = 0;
     for _ in 0..cells {
-        record::before_cell();
+        hooks::before_cell();
         step();
-        categories += record::after_cell().categories.len();
+        categories += hooks::after_cell().record.categories.len();
     }
     let recorded = started.elapsed().as_secs_f64() / cells as f64;
 

@@ -154,10 +154,7 @@ impl GradScaler {
         // A VarStore keeps every variable on its one device, where the scale lives too.
         let mut found_inf = Tensor::zeros([1], (Kind::Float, self.scale.device()));
         let inv_scale = self.scale.reciprocal();
-        let mut grads: Vec<Tensor> = self
-            .variables
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let mut grads: Vec<Tensor> = crate::state::lock(&self.variables)
             .trainable_variables
             .iter()
             .map(|v| v.tensor.grad())

@@ -189,7 +189,7 @@ impl<M: ?Sized + Send + 'static> Segmented<M> {
         let run = move |layers: &[Shared<M>], input: &Tensor| {
             let mut x = input.shallow_clone();
             for layer in layers {
-                let layer = layer.lock().unwrap_or_else(|e| e.into_inner());
+                let layer = crate::state::lock(layer);
                 x = apply(&layer, &x, train);
             }
             x

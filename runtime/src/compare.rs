@@ -13,7 +13,8 @@ use std::time::Instant;
 use tch::Tensor;
 use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
-use crate::{cuda_stats, estimate, record};
+use crate::cuda_stats::{self, DEVICE};
+use crate::{estimate, record};
 
 struct State {
     run: CompareRun,
@@ -48,12 +49,12 @@ struct Peaks {
 static STATE: Mutex<Option<State>> = Mutex::new(None);
 
 fn state() -> std::sync::MutexGuard<'static, Option<State>> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
+    crate::state::lock(&STATE)
 }
 
 fn synchronize() {
     if tch::Cuda::is_available() {
-        tch::Cuda::synchronize(record::DEVICE);
+        tch::Cuda::synchronize(DEVICE);
     }
 }
 
@@ -68,8 +69,8 @@ pub fn begin(steps: usize) {
     tch::manual_seed(SEED);
     synchronize();
     let _ = cuda_stats::empty_cache();
-    let _ = cuda_stats::reset_peak_stats(record::DEVICE);
-    let allocated_at_begin = cuda_stats::device_stats(record::DEVICE)
+    let _ = cuda_stats::reset_peak_stats(DEVICE);
+    let allocated_at_begin = cuda_stats::device_stats(DEVICE)
         .ok()
         .map(|stats| stats.current.allocated);
     *state() = Some(State {
@@ -98,7 +99,7 @@ pub(crate) fn at_marker(next: Option<Part>) {
     let Some(peaks) = state.peaks.as_mut() else {
         return;
     };
-    let Ok(stats) = cuda_stats::device_stats(record::DEVICE) else {
+    let Ok(stats) = cuda_stats::device_stats(DEVICE) else {
         return;
     };
     peaks.allocated = peaks.allocated.max(stats.peak.allocated);
@@ -114,7 +115,7 @@ pub(crate) fn at_marker(next: Option<Part>) {
         };
         *peak = (*peak).max(stats.peak.allocated);
     }
-    let _ = cuda_stats::reset_peak_stats(record::DEVICE);
+    let _ = cuda_stats::reset_peak_stats(DEVICE);
     peaks.part = next;
 }
 
@@ -150,7 +151,7 @@ pub fn record_step(loss: &Tensor) -> bool {
 /// The allocator's peaks since the run began and what a step leaves allocated, as of now.
 fn measure(state: &mut State) {
     let run = &mut state.run;
-    if let Ok(stats) = cuda_stats::device_stats(record::DEVICE) {
+    if let Ok(stats) = cuda_stats::device_stats(DEVICE) {
         let (allocated, reserved) = state
             .peaks
             .as_ref()

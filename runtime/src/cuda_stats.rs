@@ -4,6 +4,7 @@
 
 use std::ffi::{c_char, c_int};
 
+use crate::error::{Result, RuntimeError};
 use crate::ffi::call;
 
 use tchmem_wire::memory::Counters;
@@ -82,11 +83,11 @@ pub struct DeviceStats {
     pub ooms: i64,
 }
 
-fn unavailable() -> Result<(), String> {
+fn unavailable() -> Result<()> {
     if tch::Cuda::is_available() {
         Ok(())
     } else {
-        Err("CUDA is not available to libtorch in this process".into())
+        Err(RuntimeError::NoCuda)
     }
 }
 
@@ -95,7 +96,7 @@ fn bytes(value: i64) -> u64 {
 }
 
 /// Reads the statistics of `device`.
-pub fn device_stats(device: i64) -> Result<DeviceStats, String> {
+pub fn device_stats(device: i64) -> Result<DeviceStats> {
     unavailable()?;
     let mut raw = RawDeviceStats::default();
     // SAFETY: `raw` matches the C struct layout; the error buffer is owned by `call`.
@@ -116,14 +117,14 @@ pub fn device_stats(device: i64) -> Result<DeviceStats, String> {
 }
 
 /// Starts a new peak measurement on `device`.
-pub fn reset_peak_stats(device: i64) -> Result<(), String> {
+pub fn reset_peak_stats(device: i64) -> Result<()> {
     unavailable()?;
     // SAFETY: plain call into the shim.
     call(|err, len| unsafe { tchmem_cuda_reset_peak_stats(device as c_int, err, len) })
 }
 
 /// `(free, total)` device memory (cudaMemGetInfo).
-pub fn memory_info(device: i64) -> Result<(u64, u64), String> {
+pub fn memory_info(device: i64) -> Result<(u64, u64)> {
     unavailable()?;
     let (mut free, mut total) = (0u64, 0u64);
     // SAFETY: the out-pointers are valid for the call.
@@ -134,15 +135,15 @@ pub fn memory_info(device: i64) -> Result<(u64, u64), String> {
 }
 
 /// Returns the allocator's cached, unused blocks to the driver.
-pub fn empty_cache() -> Result<(), String> {
+pub fn empty_cache() -> Result<()> {
     unavailable()?;
     // SAFETY: plain call into the shim.
     call(|err, len| unsafe { tchmem_cuda_empty_cache(err, len) })
 }
 
-/// The device that [`set_memory_fraction`], [`memory_fraction`] and [`free_cache`] act on: the
-/// one the runtime measures (cuda:0).
-const DEVICE: i64 = crate::record::DEVICE;
+/// The CUDA device the runtime measures, and that [`set_memory_fraction`], [`memory_fraction`]
+/// and [`free_cache`] act on (cuda:0).
+pub(crate) const DEVICE: i64 = 0;
 
 /// Makes sure the allocator has its per-device state for the device (created on first use),
 /// which the memory fraction lives in.
@@ -155,11 +156,11 @@ fn touch_device() {
 /// Caps what the allocator may reserve on the device at `fraction` of its memory (as
 /// `torch.cuda.set_per_process_memory_fraction`): beyond that, allocations fail as out of
 /// memory, as on a smaller GPU. 1 lifts the cap.
-pub fn set_memory_fraction(fraction: f64) -> Result<(), String> {
+pub fn set_memory_fraction(fraction: f64) -> Result<()> {
     if !(fraction > 0.0 && fraction <= 1.0) {
-        return Err(format!(
+        return Err(RuntimeError::Invalid(format!(
             "the memory fraction must lie in (0, 1], not {fraction}"
-        ));
+        )));
     }
     unavailable()?;
     #[cfg(tchmem_cuda_headers)]
@@ -177,7 +178,7 @@ pub fn set_memory_fraction(fraction: f64) -> Result<(), String> {
 }
 
 /// The share of the device's memory the allocator may reserve (1 when uncapped).
-pub fn memory_fraction() -> Result<f64, String> {
+pub fn memory_fraction() -> Result<f64> {
     unavailable()?;
     #[cfg(tchmem_cuda_headers)]
     {
@@ -196,10 +197,8 @@ pub fn memory_fraction() -> Result<f64, String> {
 }
 
 #[cfg(not(tchmem_cuda_headers))]
-fn no_cuda_headers() -> String {
-    "the runtime was built without CUDA headers (scripts/setup installs them), \
-     so it cannot reach the allocator's memory fraction"
-        .into()
+fn no_cuda_headers() -> RuntimeError {
+    RuntimeError::NoCudaHeaders("the allocator's memory fraction")
 }
 
 /// What [`free_cache`] gave back.
@@ -222,7 +221,7 @@ impl Freed {
 
 /// Returns the allocator's cached, unused blocks on the device to the driver, once its pending
 /// work is done (so that blocks freed by running kernels count as unused), and says how much.
-pub fn free_cache() -> Result<Freed, String> {
+pub fn free_cache() -> Result<Freed> {
     unavailable()?;
     tch::Cuda::synchronize(DEVICE);
     let before = device_stats(DEVICE)?.current;

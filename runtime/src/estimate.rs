@@ -46,8 +46,8 @@ pub(crate) fn watched_shapes(existing: &std::collections::HashSet<usize>) -> Vec
 /// The device's room now: what `%memestimate`, `%memfit` and `%%optimize --fit` fit into.
 /// Shown to the kernel as [`DEVICE_ROOM_MIME`]; `None` inside without CUDA.
 pub fn room() -> Room {
-    let device = crate::record::DEVICE;
-    let measured = || -> Result<DeviceRoom, String> {
+    let device = crate::cuda_stats::DEVICE;
+    let measured = || -> crate::error::Result<DeviceRoom> {
         let stats = crate::cuda_stats::device_stats(device)?;
         let (free, total) = crate::cuda_stats::memory_info(device)?;
         Ok(DeviceRoom {

@@ -3,15 +3,17 @@
 
 use std::ffi::{c_char, c_int, CStr};
 
+use crate::error::{Result, RuntimeError};
+
 /// Calls a shim function with an error buffer and turns its status into a `Result`.
-pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
+pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<()> {
     let mut err = [0 as c_char; 4096];
     if f(err.as_mut_ptr(), err.len()) == 0 {
         Ok(())
     } else {
         // SAFETY: the shim NUL-terminates what it writes into the buffer.
         let text = unsafe { CStr::from_ptr(err.as_ptr()) };
-        Err(text.to_string_lossy().into_owned())
+        Err(RuntimeError::Torch(text.to_string_lossy().into_owned()))
     }
 }
 

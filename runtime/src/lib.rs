@@ -5,16 +5,19 @@
 
 pub mod accumulate;
 pub mod amp;
+mod categories;
 pub mod checkpoint;
 pub mod compare;
 pub mod cuda_stats;
 pub mod display;
+pub mod error;
 pub mod estimate;
 mod ffi;
+pub mod hooks;
 mod nvml;
 pub mod oom;
 pub mod record;
-mod shared;
+mod state;
 pub mod timeline;
 mod watch;
 
@@ -26,6 +29,7 @@ pub mod optim;
 mod panic_hook;
 pub mod phase;
 
+pub use error::RuntimeError;
 pub use tch;
 pub use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
 pub use watch::{tensor_bytes, watch, watch_batch};
@@ -39,7 +43,7 @@ pub fn version() -> &'static str {
 #[doc(hidden)]
 pub fn __kernel_session_start() {
     panic_hook::install();
-    record::register_hooks();
+    hooks::register();
     // Before any cell allocates: the baseline NVML usage is compared with.
     record::measure_context();
     // Without CUDA (or CUDA headers at build time) the OOM counter and message remain.

@@ -5,6 +5,9 @@
 
 use tchmem_wire::memory::OomEvent;
 
+use crate::error::RuntimeError;
+use crate::state;
+
 #[cfg(tchmem_cuda_headers)]
 extern "C" {
     fn tchmem_attach_oom_observer(
@@ -47,17 +50,14 @@ extern "C" fn on_oom(device: i64, requested: u64, device_total: u64, device_free
         gradients: known.map(|k| k.gradients),
         input_batch: known.map(|k| k.input_batch),
     };
-    let mut events = crate::shared::shared()
-        .oom_events
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut events = state::lock(&state::shared().oom_events);
     keep(&mut events, event);
 }
 
 /// Attaches the observer (once per process: the kernel does it when a session starts).
-pub fn attach_observer() -> Result<(), String> {
+pub fn attach_observer() -> Result<(), RuntimeError> {
     if !tch::Cuda::is_available() {
-        return Err("no CUDA device".into());
+        return Err(RuntimeError::NoCuda);
     }
     // The allocator hands observers to the per-device allocators that exist at the time, which
     // it creates on first use (measured on the H200: attached before, the observer never ran).
@@ -65,7 +65,7 @@ pub fn attach_observer() -> Result<(), String> {
         [1],
         (
             tch::Kind::Float,
-            tch::Device::Cuda(crate::record::DEVICE as usize),
+            tch::Device::Cuda(crate::cuda_stats::DEVICE as usize),
         ),
     ));
     #[cfg(tchmem_cuda_headers)]
@@ -74,18 +74,13 @@ pub fn attach_observer() -> Result<(), String> {
     }
     #[cfg(not(tchmem_cuda_headers))]
     {
-        Err("the runtime was built without CUDA headers (scripts/setup installs them)".into())
+        Err(RuntimeError::NoCudaHeaders("libtorch's OOM observer"))
     }
 }
 
 /// The events observed since the last call.
 pub fn take_events() -> Vec<OomEvent> {
-    std::mem::take(
-        &mut *crate::shared::shared()
-            .oom_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()),
-    )
+    std::mem::take(&mut *state::lock(&state::shared().oom_events))
 }
 
 #[cfg(test)]

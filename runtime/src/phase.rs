@@ -16,30 +16,17 @@ use tch::{Device, Tensor};
 use tchmem_wire::memory::{Category, CategoryName};
 
 use crate::compare::{self, Part};
-use crate::{cuda_stats, timeline, watch};
+use crate::cuda_stats::{self, DEVICE};
+use crate::state::{self, Phases};
+use crate::{categories, timeline, watch};
 use tchmem_wire::timeline::Phase;
 
-/// What the markers measured.
-#[derive(Default)]
-pub struct Phases {
-    forward_start: Option<u64>,
-    step_start: Option<u64>,
-    /// Largest growth of allocated bytes across an optimizer step (the first step creates the
-    /// state); kept while a watched model is alive.
-    pub optimizer_state: u64,
-    /// Categories at the start of the last backward pass of the running cell.
-    pub at_backward: Option<Vec<Category>>,
-}
-
 fn phases() -> std::sync::MutexGuard<'static, Phases> {
-    crate::shared::shared()
-        .phases
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    state::lock(&state::shared().phases)
 }
 
 fn allocated() -> Option<u64> {
-    cuda_stats::device_stats(crate::record::DEVICE)
+    cuda_stats::device_stats(DEVICE)
         .ok()
         .map(|s| s.current.allocated)
 }
@@ -66,8 +53,8 @@ pub fn backward() {
     let Some(start) = phases.forward_start.take() else {
         return;
     };
-    let known = watch::known_bytes(Device::Cuda(crate::record::DEVICE as usize));
-    let mut categories = crate::record::known_categories(known);
+    let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
+    let mut categories = categories::known(known);
     let activations = now.saturating_sub(start);
     categories.push(Category {
         name: CategoryName::Activations,
@@ -76,7 +63,7 @@ pub fn backward() {
         how: "allocated bytes the forward pass added (phase::forward → phase::backward)".into(),
     });
     if phases.optimizer_state > 0 {
-        categories.push(optimizer_category(phases.optimizer_state));
+        categories.push(categories::optimizer_state(phases.optimizer_state));
     }
     let counted: u64 = categories.iter().map(|c| c.bytes).sum();
     categories.push(Category {
@@ -121,33 +108,10 @@ pub fn train_step(opt: &mut Optimizer, loss: impl FnOnce() -> Tensor) -> Tensor 
     loss
 }
 
-/// The optimizer-state category for `bytes`.
-pub fn optimizer_category(bytes: u64) -> Category {
-    Category {
-        name: CategoryName::OptimizerState,
-        bytes,
-        exact: false,
-        how: "growth of allocated bytes across the first optimizer step \
-              (phase::step → phase::end), where optimizers create their state"
-            .into(),
-    }
-}
-
-/// Forgets the optimizer-state estimate (when no watched model is alive any more).
-pub(crate) fn forget_optimizer_state() {
-    phases().optimizer_state = 0;
-}
-
 /// Starts a cell: forgets the previous cell's backward snapshot.
 pub(crate) fn before_cell() {
     let mut phases = phases();
     phases.at_backward = None;
     phases.forward_start = None;
     phases.step_start = None;
-}
-
-/// The optimizer state estimate and the backward snapshot of the cell that just ran.
-pub(crate) fn after_cell() -> (u64, Option<Vec<Category>>) {
-    let mut phases = phases();
-    (phases.optimizer_state, phases.at_backward.take())
 }

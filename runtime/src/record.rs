@@ -1,23 +1,15 @@
-//! Per-cell memory records, taken by the kernel's child process around every cell through the
-//! two `extern "C"` hooks at the bottom (found by symbol, so no compile is needed per cell).
-
-use std::ffi::{c_char, CString};
+//! Memory records: what the allocator's counters, NVML and the watched tensors say now, split
+//! into categories (the hooks in `hooks` take one around every cell).
 
 use tch::Device;
-use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
+use tchmem_wire::memory::{Category, CategoryName, CudaMemory, MemoryRecord};
 
-use crate::{cuda_stats, nvml, watch};
+pub use crate::state::AtStart;
 
-/// The CUDA device the records describe.
-pub(crate) const DEVICE: i64 = 0;
-
-/// Counters noted before a cell.
-pub struct Before {
-    counters: Counters,
-    allocations: i64,
-    alloc_retries: i64,
-    ooms: i64,
-}
+use crate::cuda_stats::{self, DEVICE};
+use crate::error::RuntimeError;
+use crate::state::{self, Before};
+use crate::{categories, nvml, watch};
 
 impl From<&cuda_stats::DeviceStats> for Before {
     fn from(stats: &cuda_stats::DeviceStats) -> Self {
@@ -28,56 +20,6 @@ impl From<&cuda_stats::DeviceStats> for Before {
             ooms: stats.ooms,
         }
     }
-}
-
-fn before() -> std::sync::MutexGuard<'static, Option<Before>> {
-    crate::shared::shared()
-        .before
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-}
-
-/// Starts a cell: resets the allocator's peaks and remembers the counters.
-pub fn before_cell() {
-    let before = cuda_stats::device_stats(DEVICE)
-        .ok()
-        .map(|stats| Before::from(&stats));
-    if before.is_some() {
-        let _ = cuda_stats::reset_peak_stats(DEVICE);
-    }
-    crate::phase::before_cell();
-    crate::oom::take_events();
-    *self::before() = before;
-}
-
-/// Ends a cell: the record of what it did.
-pub fn after_cell() -> MemoryRecord {
-    // First, so that the counters below include what the cell's last kernels freed.
-    let timeline = crate::timeline::finish();
-    let before = self::before().take();
-    let mut record = match cuda_stats::device_stats(DEVICE) {
-        Ok(stats) => cuda_record(stats, before),
-        Err(why) => cpu_record(why),
-    };
-    record.timeline = timeline;
-    record
-}
-
-/// What the session start measured on the device, before any cell ran.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AtStart {
-    /// NVML process usage minus the allocator's reserved bytes: the CUDA context on its own.
-    pub context: u64,
-    /// Bytes still allocated once the cache was emptied: cuBLAS's workspace, which the
-    /// allocator hands out like a tensor but which belongs with the context.
-    pub workspace: u64,
-}
-
-pub(crate) fn at_start() -> Option<AtStart> {
-    *crate::shared::shared()
-        .at_start
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// Measures the CUDA context on its own: initialises CUDA and cuBLAS with a small matmul and its
@@ -107,10 +49,7 @@ pub fn measure_context() -> Option<AtStart> {
         context,
         workspace: current.allocated,
     };
-    *crate::shared::shared()
-        .at_start
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) = Some(measured);
+    *state::lock(&state::shared().at_start) = Some(measured);
     Some(measured)
 }
 
@@ -122,16 +61,16 @@ pub fn current() -> MemoryRecord {
     }
 }
 
-fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> MemoryRecord {
+pub(crate) fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> MemoryRecord {
     let mut notes = Vec::new();
-    let start = at_start();
+    let start = state::at_start();
     let workspace = start.map_or(0, |s| s.workspace);
     let (device_free, device_total) = cuda_stats::memory_info(DEVICE).unwrap_or_else(|why| {
         notes.push(format!("cudaMemGetInfo failed: {why}"));
         (0, 0)
     });
     let nvml_process = nvml::process_bytes(DEVICE as u32)
-        .map_err(|why| notes.push(why))
+        .map_err(|why| notes.push(why.to_string()))
         .ok();
     // Without a before-cell snapshot the cell counts as having changed nothing.
     let before = before.unwrap_or_else(|| Before::from(&stats));
@@ -151,14 +90,17 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         oom_events: crate::oom::take_events(),
     };
     let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
-    let mut categories = known_categories(known);
-    if known.stores == 0 {
-        // The model is gone, and with it (as far as we can tell) its optimizer.
-        crate::phase::forget_optimizer_state();
-    }
-    let (optimizer_state, at_backward) = crate::phase::after_cell();
+    let mut categories = categories::known(known);
+    let (optimizer_state, at_backward) = {
+        let mut phases = state::lock(&state::shared().phases);
+        if known.stores == 0 {
+            // The model is gone, and with it (as far as we can tell) its optimizer.
+            phases.optimizer_state = 0;
+        }
+        (phases.optimizer_state, phases.at_backward.take())
+    };
     if optimizer_state > 0 {
-        categories.push(crate::phase::optimizer_category(optimizer_state));
+        categories.push(categories::optimizer_state(optimizer_state));
     }
     let counted: u64 = categories.iter().map(|c| c.bytes).sum();
     categories.push(Category {
@@ -197,7 +139,6 @@ fn cuda_record(stats: cuda_stats::DeviceStats, before: Option<Before>) -> Memory
         notes,
         recording_seconds: None,
         wall_seconds: None,
-        timeline: None,
     }
 }
 
@@ -245,12 +186,12 @@ fn context_category(
     })
 }
 
-fn cpu_record(why: String) -> MemoryRecord {
+pub(crate) fn cpu_record(why: RuntimeError) -> MemoryRecord {
     let known = watch::known_bytes(Device::Cpu);
     MemoryRecord {
         device: "cpu".into(),
         cuda: None,
-        categories: known_categories(known),
+        categories: categories::known(known),
         at_backward: None,
         notes: vec![format!(
             "No allocator counters: {why}. On CPU the categories come from the watched tensors' \
@@ -258,77 +199,6 @@ fn cpu_record(why: String) -> MemoryRecord {
         )],
         recording_seconds: None,
         wall_seconds: None,
-        timeline: None,
-    }
-}
-
-pub(crate) fn known_categories(known: watch::Known) -> Vec<Category> {
-    let mut categories = Vec::new();
-    if known.stores > 0 {
-        categories.push(Category {
-            name: CategoryName::Parameters,
-            bytes: known.parameters,
-            exact: true,
-            how: format!(
-                "sizes of the variables of {} watched VarStore(s)",
-                known.stores
-            ),
-        });
-        categories.push(Category {
-            name: CategoryName::Gradients,
-            bytes: known.gradients,
-            exact: true,
-            how: "sizes of the defined .grad() of trainable variables".into(),
-        });
-    }
-    if known.input_batch > 0 {
-        categories.push(Category {
-            name: CategoryName::InputBatch,
-            bytes: known.input_batch,
-            exact: true,
-            how: "size of the tensor given to tchmem::watch_batch".into(),
-        });
-    }
-    categories
-}
-
-/// Gives the kernel's child this runtime's hooks (called when a session starts).
-pub(crate) fn register_hooks() {
-    use std::sync::atomic::Ordering;
-    if let Some(slot) = crate::shared::child_slot() {
-        let before: extern "C" fn() = tchmem_runtime_before_cell;
-        let after: extern "C" fn() -> *mut c_char = tchmem_runtime_after_cell;
-        let free: unsafe extern "C" fn(*mut c_char) = tchmem_runtime_free;
-        slot.before_cell.store(before as *mut _, Ordering::Release);
-        slot.after_cell.store(after as *mut _, Ordering::Release);
-        slot.free.store(free as *mut _, Ordering::Release);
-    }
-}
-
-/// Hook for the kernel's child: before a cell.
-pub extern "C" fn tchmem_runtime_before_cell() {
-    let _ = std::panic::catch_unwind(before_cell);
-}
-
-/// Hook for the kernel's child: after a cell; returns the record as JSON, to be released with
-/// [`tchmem_runtime_free`]. Null if measuring failed.
-pub extern "C" fn tchmem_runtime_after_cell() -> *mut c_char {
-    std::panic::catch_unwind(|| {
-        let json = serde_json::to_string(&after_cell()).ok()?;
-        CString::new(json).ok()
-    })
-    .ok()
-    .flatten()
-    .map_or(std::ptr::null_mut(), CString::into_raw)
-}
-
-/// Releases a string returned by [`tchmem_runtime_after_cell`].
-///
-/// # Safety
-/// `text` must come from [`tchmem_runtime_after_cell`] and be released once.
-pub unsafe extern "C" fn tchmem_runtime_free(text: *mut c_char) {
-    if !text.is_null() {
-        drop(CString::from_raw(text));
     }
 }
 

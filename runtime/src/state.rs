@@ -1,4 +1,6 @@
-//! The runtime's process-wide state, shared by the copies of this crate in every cell.
+//! The runtime's process-wide state, shared by the copies of this crate in every cell: plain
+//! data, its one owner ([`shared`]) and one poison-tolerant [`lock`]. It imports no other module
+//! of the runtime, so every module may use it.
 //!
 //! Inside the tchmem kernel, each cell links its own copy of this crate (evcxr links
 //! dependencies statically), so a plain `static` would be per cell. The first copy that needs
@@ -7,13 +9,89 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock, TryLockError, Weak};
 
+use tch::nn::Variables;
+use tch::Tensor;
+use tchmem_wire::memory::{Category, Counters, OomEvent};
+use tchmem_wire::timeline::{TimelineCapture, TimelineRequest};
 use tchmem_wire::{ChildSlot, CHILD_SLOT_SYMBOL};
 
-use crate::phase::Phases;
-use crate::record::Before;
-use crate::watch::Watched;
+/// Locks `mutex`, tolerating poison: a panic in a cell that held a lock must not take the
+/// runtime's state with it.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Locks `mutex` if it is free (tolerating poison); `None` when another thread holds it (inside
+/// libtorch's OOM observer, which must never block).
+pub(crate) fn try_lock<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// The watched stores and batch (see `watch`).
+#[derive(Default)]
+pub struct Watched {
+    /// The variables of each watched VarStore, while the store lives.
+    pub(crate) stores: Vec<Weak<Mutex<Variables>>>,
+    /// The tensor given to `watch_batch`.
+    pub(crate) batch: Option<Tensor>,
+}
+
+/// Counters noted before a cell (see `record`).
+pub struct Before {
+    /// The allocator's counters.
+    pub(crate) counters: Counters,
+    /// Allocations made since the process started.
+    pub(crate) allocations: i64,
+    /// Cache-flush-and-retry events.
+    pub(crate) alloc_retries: i64,
+    /// Out-of-memory errors.
+    pub(crate) ooms: i64,
+}
+
+/// What the training-step markers measured (see `phase`).
+#[derive(Default)]
+pub struct Phases {
+    /// Allocated bytes at the last `phase::forward`.
+    pub(crate) forward_start: Option<u64>,
+    /// Allocated bytes at the last `phase::step`.
+    pub(crate) step_start: Option<u64>,
+    /// Largest growth of allocated bytes across an optimizer step (the first step creates the
+    /// state); kept while a watched model is alive.
+    pub optimizer_state: u64,
+    /// Categories at the start of the last backward pass of the running cell.
+    pub at_backward: Option<Vec<Category>>,
+}
+
+/// What the session start measured on the device, before any cell ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtStart {
+    /// NVML process usage minus the allocator's reserved bytes: the CUDA context on its own.
+    pub context: u64,
+    /// Bytes still allocated once the cache was emptied: cuBLAS's workspace, which the
+    /// allocator hands out like a tensor but which belongs with the context.
+    pub workspace: u64,
+}
+
+/// A timeline being recorded (see `timeline`).
+pub struct Recording {
+    /// What the kernel asked for.
+    pub(crate) request: TimelineRequest,
+    /// What is captured so far.
+    pub(crate) capture: TimelineCapture,
+    /// Recording was stopped (after `--steps` steps) and the snapshot already written.
+    pub(crate) stopped: bool,
+}
+
+/// What the session start measured, if it ran on CUDA.
+pub(crate) fn at_start() -> Option<AtStart> {
+    *lock(&shared().at_start)
+}
 
 /// Everything the runtime remembers between cells.
 pub struct Shared {
@@ -25,11 +103,11 @@ pub struct Shared {
     pub phases: Mutex<Phases>,
     /// The CUDA context and library workspaces measured when the session started (see
     /// record::measure_context).
-    pub at_start: Mutex<Option<crate::record::AtStart>>,
+    pub at_start: Mutex<Option<AtStart>>,
     /// What the OOM observer reported since the running cell began (see oom.rs).
-    pub oom_events: Mutex<Vec<tchmem_wire::memory::OomEvent>>,
+    pub oom_events: Mutex<Vec<OomEvent>>,
     /// The allocation timeline being recorded (see timeline.rs).
-    pub timeline: Mutex<Option<crate::timeline::Active>>,
+    pub timeline: Mutex<Option<Recording>>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.

@@ -17,21 +17,13 @@ pub use tchmem_wire::timeline::{
     Phase, Storage, TimelineCapture as Capture, TimelineRequest as Request,
 };
 
-use crate::{cuda_stats, watch};
-
-/// A timeline being recorded.
-pub struct Active {
-    request: TimelineRequest,
-    capture: TimelineCapture,
-    /// Recording was stopped (after `--steps` steps) and the snapshot already written.
-    stopped: bool,
-}
+use crate::cuda_stats::{self, DEVICE};
+use crate::error::RuntimeError;
+use crate::state::{self, Recording as Active};
+use crate::{categories, watch};
 
 fn active() -> std::sync::MutexGuard<'static, Option<Active>> {
-    crate::shared::shared()
-        .timeline
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    state::lock(&state::shared().timeline)
 }
 
 fn now_us() -> i64 {
@@ -68,15 +60,16 @@ mod shim {
 #[cfg(tchmem_cuda_headers)]
 mod history {
     use super::shim::*;
+    use crate::error::{Result, RuntimeError};
     use crate::ffi::call;
     use std::ffi::{c_char, c_void, CString};
 
-    pub fn start(max_entries: u64, stacks: bool) -> Result<(), String> {
+    pub fn start(max_entries: u64, stacks: bool) -> Result<()> {
         // SAFETY: plain arguments and the error buffer `call` provides.
         call(|e, n| unsafe { tchmem_history_start(max_entries as usize, stacks as i32, e, n) })
     }
 
-    pub fn stop() -> Result<(), String> {
+    pub fn stop() -> Result<()> {
         // SAFETY: as above.
         call(|e, n| unsafe { tchmem_history_stop(e, n) })
     }
@@ -89,7 +82,7 @@ mod history {
         }
     }
 
-    pub fn snapshot() -> Result<Vec<u8>, String> {
+    pub fn snapshot() -> Result<Vec<u8>> {
         let mut out: Vec<u8> = Vec::new();
         let context = &mut out as *mut Vec<u8> as *mut c_void;
         // SAFETY: the shim calls `append` with `context` before it returns.
@@ -97,8 +90,8 @@ mod history {
         Ok(out)
     }
 
-    pub fn set_metadata(text: &str) -> Result<(), String> {
-        let text = CString::new(text).map_err(|e| e.to_string())?;
+    pub fn set_metadata(text: &str) -> Result<()> {
+        let text = CString::new(text).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
         // SAFETY: a NUL-terminated string that outlives the call.
         call(|e, n| unsafe { tchmem_history_set_metadata(text.as_ptr(), e, n) })
     }
@@ -106,36 +99,33 @@ mod history {
 
 #[cfg(not(tchmem_cuda_headers))]
 mod history {
-    const WHY: &str = "this runtime was built without CUDA headers (pip install --no-deps \
-                       nvidia-cuda-crt==13.0.88, then rebuild): no allocation history";
-    pub fn start(_: u64, _: bool) -> Result<(), String> {
-        Err(WHY.into())
+    use crate::error::{Result, RuntimeError};
+
+    const WHY: RuntimeError = RuntimeError::NoCudaHeaders("libtorch's allocation history");
+    pub fn start(_: u64, _: bool) -> Result<()> {
+        Err(WHY)
     }
-    pub fn stop() -> Result<(), String> {
-        Err(WHY.into())
+    pub fn stop() -> Result<()> {
+        Err(WHY)
     }
-    pub fn snapshot() -> Result<Vec<u8>, String> {
-        Err(WHY.into())
+    pub fn snapshot() -> Result<Vec<u8>> {
+        Err(WHY)
     }
-    pub fn set_metadata(_: &str) -> Result<(), String> {
-        Err(WHY.into())
+    pub fn set_metadata(_: &str) -> Result<()> {
+        Err(WHY)
     }
 }
 
 /// The categories of what is allocated now, adding up to `allocated`: watched tensors (exact),
 /// the optimizer state the phase markers measured, the session's cuBLAS workspace, and the rest.
 fn allocated_by_category(allocated: u64) -> Vec<Category> {
-    let known = watch::known_bytes(Device::Cuda(crate::record::DEVICE as usize));
-    let mut categories = crate::record::known_categories(known);
-    let optimizer_state = crate::shared::shared()
-        .phases
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .optimizer_state;
+    let known = watch::known_bytes(Device::Cuda(DEVICE as usize));
+    let mut categories = categories::known(known);
+    let optimizer_state = state::lock(&state::shared().phases).optimizer_state;
     if optimizer_state > 0 {
-        categories.push(crate::phase::optimizer_category(optimizer_state));
+        categories.push(categories::optimizer_state(optimizer_state));
     }
-    if let Some(start) = crate::record::at_start().filter(|s| s.workspace > 0) {
+    if let Some(start) = state::at_start().filter(|s| s.workspace > 0) {
         categories.push(Category {
             name: CategoryName::CudaContext,
             bytes: start.workspace,
@@ -154,27 +144,29 @@ fn allocated_by_category(allocated: u64) -> Vec<Category> {
 }
 
 /// Starts recording `request`'s timeline (replacing one already running).
-pub fn begin(request: TimelineRequest) -> Result<(), String> {
+pub fn begin(request: TimelineRequest) -> Result<(), RuntimeError> {
     let mut capture = TimelineCapture {
         snapshot: request.snapshot.clone(),
         stacks: request.stacks,
         max_entries: request.max_entries,
         ..Default::default()
     };
-    let result: Result<(), String> = (|| {
-        let stats = cuda_stats::device_stats(crate::record::DEVICE).map_err(|why| {
-            format!("allocation timelines need CUDA (the caching allocator's history): {why}")
+    let result: Result<(), RuntimeError> = (|| {
+        let stats = cuda_stats::device_stats(DEVICE).map_err(|why| {
+            RuntimeError::Timeline(format!(
+                "allocation timelines need CUDA (the caching allocator's history): {why}"
+            ))
         })?;
         capture.at_start = stats.current;
         capture.start_categories = allocated_by_category(stats.current.allocated);
-        capture.storages_at_start = watch::storages(crate::record::DEVICE);
+        capture.storages_at_start = watch::storages(DEVICE);
         history::start(request.max_entries, request.stacks)?;
         let _ = history::set_metadata("");
         capture.started_us = now_us();
         Ok(())
     })();
     if let Err(why) = &result {
-        capture.error = Some(why.clone());
+        capture.error = Some(why.to_string());
     }
     *active() = Some(Active {
         request,
@@ -221,14 +213,16 @@ fn stop(active: &mut Active) {
     // The trace's times are taken when GPU work is queued; wait for it, so that the frees its
     // last kernels trigger are in.
     if tch::Cuda::is_available() {
-        tch::Cuda::synchronize(crate::record::DEVICE);
+        tch::Cuda::synchronize(DEVICE);
     }
     active.capture.ended_us = now_us();
-    active.capture.storages_at_end = watch::storages(crate::record::DEVICE);
-    let written = history::snapshot().and_then(|bytes| {
-        std::fs::write(&active.request.snapshot, bytes)
-            .map_err(|e| format!("could not write {}: {e}", active.request.snapshot))
-    });
+    active.capture.storages_at_end = watch::storages(DEVICE);
+    let written = history::snapshot()
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| {
+            std::fs::write(&active.request.snapshot, bytes)
+                .map_err(|e| format!("could not write {}: {e}", active.request.snapshot))
+        });
     if let Err(why) = written {
         active.capture.error = Some(why);
     }
@@ -303,7 +297,7 @@ pub struct StackFrame {
 /// allocation history does with `stacks="all"` (`TORCH_SYMBOLIZE_MODE`'s modes: "fast",
 /// "addr2line", "dladdr"). Works without CUDA: the kernel's tests use it to check that frames in
 /// a cell's code name the cell's lines.
-pub fn stack_frames(mode: &str) -> Result<Vec<StackFrame>, String> {
+pub fn stack_frames(mode: &str) -> Result<Vec<StackFrame>, RuntimeError> {
     extern "C" fn push(context: *mut std::ffi::c_void, frame: *const std::ffi::c_char) {
         // SAFETY: `context` is the Vec below; `frame` is a NUL-terminated string.
         unsafe {
@@ -320,9 +314,9 @@ pub fn stack_frames(mode: &str) -> Result<Vec<StackFrame>, String> {
         "addr2line" => 1,
         "dladdr" => 2,
         other => {
-            return Err(format!(
+            return Err(RuntimeError::Invalid(format!(
                 "unknown symbolize mode {other}: fast, addr2line or dladdr"
-            ))
+            )))
         }
     };
     let mut texts: Vec<String> = Vec::new();

@@ -2,22 +2,17 @@
 //! parameters, and which tensor is the current input batch.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::nn::{VarStore, Variables};
 use tch::{Device, Tensor};
 use tchmem_wire::memory::CategoryName;
 use tchmem_wire::timeline::Storage;
 
-/// The watched stores and batch.
-#[derive(Default)]
-pub struct Watched {
-    stores: Vec<Weak<Mutex<Variables>>>,
-    batch: Option<Tensor>,
-}
+use crate::state::{self, Watched};
 
 fn watched() -> MutexGuard<'static, Watched> {
-    lock(&crate::shared::shared().watched, Locking::Wait).expect("waiting always locks")
+    state::lock(&state::shared().watched)
 }
 
 /// How a walk over the watched tensors takes its locks.
@@ -31,13 +26,9 @@ enum Locking {
 
 /// Locks `mutex` (tolerating poison), or `None` when it is busy and `how` is [`Locking::Try`].
 fn lock<T>(mutex: &Mutex<T>, how: Locking) -> Option<MutexGuard<'_, T>> {
-    if how == Locking::Wait {
-        return Some(mutex.lock().unwrap_or_else(|e| e.into_inner()));
-    }
-    match mutex.try_lock() {
-        Ok(guard) => Some(guard),
-        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
+    match how {
+        Locking::Wait => Some(state::lock(mutex)),
+        Locking::Try => state::try_lock(mutex),
     }
 }
 
@@ -91,7 +82,7 @@ fn each_store(
 /// batch); returns the number of live stores, or `None` when a lock was busy (as
 /// [`each_store`]).
 fn each_watched(how: Locking, mut visit: impl FnMut(&Tensor, CategoryName)) -> Option<usize> {
-    let mut watched = lock(&crate::shared::shared().watched, how)?;
+    let mut watched = lock(&state::shared().watched, how)?;
     let stores = each_store(&mut watched, how, |variables| {
         for tensor in variables.named_variables.values() {
             visit(tensor, CategoryName::Parameters);

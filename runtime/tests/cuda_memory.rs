@@ -20,7 +20,7 @@ fn cuda() -> Option<std::sync::MutexGuard<'static, ()>> {
 fn a_memory_fraction_outside_zero_to_one_is_refused_with_the_range() {
     for fraction in [0.0, -0.5, 1.5, f64::NAN] {
         let why = cuda_stats::set_memory_fraction(fraction).unwrap_err();
-        assert!(why.contains("(0, 1]"), "{why}");
+        assert!(why.to_string().contains("(0, 1]"), "{why}");
     }
     if !tch::Cuda::is_available() {
         assert!(cuda_stats::memory_fraction().is_err());

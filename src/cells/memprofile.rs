@@ -196,11 +196,7 @@ impl<R: Runner> Cells<R> {
         outcome: &CellOutcome,
         output: &OutputSink,
     ) {
-        let capture = outcome
-            .report
-            .as_ref()
-            .and_then(|r| r.memory.as_ref())
-            .and_then(|m| m.timeline.clone());
+        let capture = outcome.report.as_ref().and_then(|r| r.timeline.clone());
         let Some(capture) = capture else {
             if outcome.error.is_none() {
                 output(CellOutput::Display(report::text_display(

@@ -54,10 +54,11 @@ impl CellHooks {
             )))
         };
         let recording_seconds = self.recording_before + start.elapsed().as_secs_f64();
-        let (memory, memory_missing) = match after {
-            Some(Ok(record)) => (Some(record), None),
-            Some(Err(why)) => (None, Some(why)),
+        let (memory, timeline, memory_missing) = match after {
+            Some(Ok(after)) => (Some(after.record), after.timeline, None),
+            Some(Err(why)) => (None, None, Some(why)),
             None => (
+                None,
                 None,
                 Some("the tchmem runtime is not loaded (no tch in this kernel)".into()),
             ),
@@ -72,6 +73,7 @@ impl CellHooks {
             memory,
             memory_missing,
             recording_seconds,
+            timeline,
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
         let begin = format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}");

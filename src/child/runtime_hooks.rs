@@ -9,7 +9,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::Ordering;
 
-use tchmem_wire::memory::MemoryRecord;
+use tchmem_wire::AfterCell;
 use tchmem_wire::ChildSlot;
 
 static SLOT: ChildSlot = ChildSlot::new();
@@ -49,8 +49,8 @@ pub fn before_cell() {
     }
 }
 
-/// The runtime's record of the cell that just ran; `None` if no runtime is registered.
-pub fn after_cell() -> Option<Result<MemoryRecord, String>> {
+/// The runtime's record (and timeline) of the cell that just ran; `None` if no runtime is registered.
+pub fn after_cell() -> Option<Result<AfterCell, String>> {
     let after = hook(&SLOT.after_cell)?;
     let free = hook(&SLOT.free)?;
     // SAFETY: as in `before_cell`; the string is released by the runtime's own function.

@@ -384,7 +384,6 @@ mod tests {
             notes: vec![],
             recording_seconds: None,
             wall_seconds: None,
-            timeline: None,
         }
     }
 

@@ -9,6 +9,7 @@ use quote::ToTokens;
 use syn::spanned::Spanned;
 use syn::{Block, Stmt};
 
+use super::syntax::COMMENT_MACRO;
 use super::Refusal;
 
 /// The deepest bracket nesting accepted: far beyond real code, well within the parser's stack.
@@ -16,9 +17,6 @@ const MAX_NESTING: usize = 256;
 
 /// Cells larger than this are refused rather than parsed.
 const MAX_BYTES: usize = 1 << 20;
-
-/// The name of the macro that marks a comment to print (prettyplease prints no comments).
-pub(crate) const COMMENT_MACRO: &str = "__tchmem_comment";
 
 /// A parsed cell.
 pub(crate) struct Cell {

@@ -6,8 +6,10 @@ use proc_macro2::{Ident, Span, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::{Block, Expr, Pat, Stmt};
 
-use super::cell::COMMENT_MACRO;
 use super::Refusal;
+
+/// The name of the macro that marks a comment to print (prettyplease prints no comments).
+pub(crate) const COMMENT_MACRO: &str = "__tchmem_comment";
 
 /// Every identifier in a cell, to pick names for generated variables that cannot collide.
 pub(crate) struct Names {

@@ -69,6 +69,20 @@ pub struct CellReport {
     /// Time the child spent in the runtime's recording hooks for this cell (before + after).
     #[serde(default)]
     pub recording_seconds: f64,
+    /// The allocation timeline recorded around the cell (`%%memprofile`), if one was.
+    #[serde(default)]
+    pub timeline: Option<timeline::TimelineCapture>,
+}
+
+/// What the runtime's after-cell hook hands the child: the cell's memory record and, beside
+/// it, the timeline recorded around the cell, if one was.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct AfterCell {
+    /// The memory record.
+    pub record: memory::MemoryRecord,
+    /// The allocation timeline (`%%memprofile`).
+    #[serde(default)]
+    pub timeline: Option<timeline::TimelineCapture>,
 }
 
 /// Rich output sent from a cell while it runs (Jupyter's `display_data` or

@@ -188,9 +188,6 @@ pub struct MemoryRecord {
     /// Time the cell's code ran, without compilation, in seconds.
     #[serde(default)]
     pub wall_seconds: Option<f64>,
-    /// The allocation timeline recorded around the cell (`%%memprofile`), if one was.
-    #[serde(default)]
-    pub timeline: Option<crate::timeline::TimelineCapture>,
 }
 
 impl MemoryRecord {

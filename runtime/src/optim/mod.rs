@@ -105,7 +105,7 @@ impl Optimizer {
     }
 
     fn add_missing_variables(&mut self) {
-        let variables = self.variables.lock().unwrap_or_else(|e| e.into_inner());
+        let variables = crate::state::lock(&self.variables);
         let trainable = &variables.trainable_variables;
         for var in trainable.iter().skip(self.params.len()) {
             self.grad_clearer

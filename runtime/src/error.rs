@@ -1,0 +1,30 @@
+//! The runtime's errors: why a measurement or a shim call could not be made.
+
+/// Why the runtime could not do what was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuntimeError {
+    /// CUDA is not available to libtorch in this process (a CPU machine, or no driver).
+    #[error("CUDA is not available to libtorch in this process")]
+    NoCuda,
+    /// The runtime was built without CUDA headers, so the allocator's C++ API is out of reach.
+    #[error(
+        "the runtime was built without CUDA headers (scripts/setup installs them), so it cannot \
+         reach {0}"
+    )]
+    NoCudaHeaders(&'static str),
+    /// libtorch (through the C++ shim in csrc/) raised an error; its message.
+    #[error("{0}")]
+    Torch(String),
+    /// NVML could not answer; what it said.
+    #[error("{0}")]
+    Nvml(String),
+    /// An allocation timeline could not be recorded or written; why.
+    #[error("{0}")]
+    Timeline(String),
+    /// An argument outside what the call accepts; which and why.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A result whose error is a [`RuntimeError`].
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
