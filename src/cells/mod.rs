@@ -7,6 +7,7 @@ mod fit;
 mod memprofile;
 mod oom;
 mod optimize;
+mod optimize_fit;
 mod run;
 #[cfg(test)]
 mod tests;

@@ -122,6 +122,9 @@ pub(super) fn out_of_memory(
 }
 
 impl<R: Runner> Cells<R> {
+    /// After a CUDA OOM in a training cell: two calibration trials at smaller batches and the
+    /// fixes they predict, as text for the error (`None` when the cell cannot be tried: no batch
+    /// binding, no VarStore of its own, no CUDA, or the trials did not run).
     pub(super) fn measured_oom_fixes(&mut self, code: &str, output: &OutputSink) -> Option<String> {
         let source = CellMagicSource {
             line: "",

@@ -1,0 +1,269 @@
+//! `%%optimize --fit SIZE|device`: every base configuration calibrated, every combination with
+//! accumulation and the leaner optimizers predicted and ranked, the fastest few confirmed by a
+//! trial at the cell's batch, and the fastest that fits shown and run.
+
+use super::optimize::code_display;
+use super::trial::{TrainingCell, TrialError, TRIAL_STEPS};
+use super::{display_sink, fail, Cells, Runner};
+use crate::fit::candidates::{self, Base, Candidate};
+use crate::fit::estimate::Calibration;
+use crate::fit::trial::Trial;
+use crate::magics::optimize::{FitTarget, OptimizeRequest};
+use crate::magics::CellMagicSource;
+use crate::report::fit::{fit_summary, fits_in, name_of, verdict_of_fit, LiveTable};
+use crate::report::format::human_bytes;
+use crate::rewrite::{self, Options};
+use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName, StreamName};
+
+/// Candidates `--fit` confirms by a trial at the cell's batch, at most.
+const CONFIRMATIONS: usize = 3;
+
+/// What a configuration must fit in: the allocator's share and the CUDA context beside it.
+#[derive(Clone, Copy)]
+struct Budget {
+    bytes: u64,
+    context: u64,
+}
+
+impl<R: Runner> Cells<R> {
+    /// `%%optimize --fit`.
+    pub(super) fn optimize_fit(
+        &mut self,
+        target: FitTarget,
+        request: &OptimizeRequest,
+        source: &CellMagicSource<'_>,
+        io: CellIo,
+    ) -> CellOutcome {
+        let cell = match self.training_cell(source, "%%optimize --fit") {
+            Ok(cell) => cell,
+            Err(error) => return fail(error),
+        };
+        let room = self.device_room();
+        let context = room.and_then(|r| r.context).unwrap_or(0);
+        let budget = match (target, room) {
+            (FitTarget::Bytes(bytes), _) => bytes,
+            (FitTarget::Device, Some(room)) => room.allocator_limit() + context,
+            (FitTarget::Device, None) => 0,
+        };
+        if room.is_none() {
+            (io.output)(CellOutput::Stream(
+                StreamName::Stdout,
+                "%%optimize --fit: no CUDA device here, so there is no memory to fit; the loop \
+                 runs as written\n"
+                    .into(),
+            ));
+            return self.run_cell_code(&cell.code, io);
+        }
+        let batch = cell.binding.value;
+        let mut table = LiveTable::new(
+            format!("tchmem-fit-{}", self.runs),
+            format!(
+                "%%optimize --fit {}: calibrating, then confirming the best at {} = {batch}",
+                human_bytes(budget),
+                cell.binding.name
+            ),
+            display_sink(&io.output),
+        );
+        let mut notes = Vec::new();
+        let calibrations = match self.calibrate_bases(&cell, &mut table, &mut notes) {
+            Ok(calibrations) => calibrations,
+            Err(stopped) => return *stopped,
+        };
+        let rule = cell.rule;
+        let begin = calibrations
+            .first()
+            .and_then(|(_, c)| c.points.first())
+            .map_or(0, |(_, m)| m.begin);
+        let ranked = candidates::ranked(&calibrations, &rule, batch, begin, budget, context);
+        let budget = Budget {
+            bytes: budget,
+            context,
+        };
+        let confirmed = match self.confirm(&cell, &ranked, budget, &mut table, &mut notes) {
+            Ok(confirmed) => confirmed,
+            Err(stopped) => return *stopped,
+        };
+        let Budget {
+            bytes: budget,
+            context,
+        } = budget;
+        let winner = confirmed
+            .iter()
+            .filter(|(_, trial)| fits_in(trial, budget, context))
+            .min_by(|a, b| {
+                let time = |t: &Trial| t.outcome.measured().map_or(f64::MAX, |m| m.step_seconds);
+                time(&a.1).total_cmp(&time(&b.1))
+            })
+            .cloned();
+        let mut lines = notes;
+        lines.push(format!(
+            "{} combinations predicted; {} predicted to fit in {}.",
+            ranked.len(),
+            ranked.iter().filter(|c| c.fits).count(),
+            human_bytes(budget)
+        ));
+        let summary = fit_summary(&confirmed, budget, context);
+        (io.output)(CellOutput::Display(summary));
+        let Some((winner, _)) = winner else {
+            let closest = ranked
+                .iter()
+                .min_by_key(|c| c.prediction.peak_reserved)
+                .map(|c| {
+                    format!(
+                        " The smallest predicted peak: {} with {}.",
+                        name_of(&c.options),
+                        human_bytes(c.prediction.peak_reserved + context)
+                    )
+                })
+                .unwrap_or_default();
+            table.show(&lines);
+            return fail(CellError::new(
+                ErrorName::DoesNotFit,
+                format!(
+                    "no combination tried fits in {} at {} = {batch}.{closest} Try a smaller \
+                     batch (%memfit finds the largest) or a larger SIZE.",
+                    human_bytes(budget),
+                    cell.binding.name
+                ),
+            ));
+        };
+        self.run_winner(&cell, &winner.options, request.show, &mut table, lines, io)
+    }
+
+    /// Confirms the fastest candidates predicted to fit by a trial each at the cell's batch,
+    /// one after the other, until [`CONFIRMATIONS`] of them were tried (or all); each shown in
+    /// `table`.
+    fn confirm(
+        &mut self,
+        cell: &TrainingCell,
+        ranked: &[Candidate],
+        budget: Budget,
+        table: &mut LiveTable,
+        notes: &mut Vec<String>,
+    ) -> Result<Vec<(Candidate, Trial)>, Box<CellOutcome>> {
+        let Budget {
+            bytes: budget,
+            context,
+        } = budget;
+        let batch = cell.binding.value;
+        let mut confirmed: Vec<(Candidate, Trial)> = Vec::new();
+        for candidate in diverse(ranked, CONFIRMATIONS) {
+            let trial = match self.trial(cell, &candidate.options, batch, TRIAL_STEPS + 1) {
+                Ok(trial) => trial,
+                Err(TrialError::Stopped(outcome)) => return Err(outcome),
+                Err(TrialError::Refused(refusal)) => {
+                    notes.push(format!("{}: {refusal}", candidate.options.flags()));
+                    continue;
+                }
+            };
+            let fits = fits_in(&trial, budget, context);
+            table.push(
+                &trial,
+                &format!(
+                    "confirm: {}",
+                    if fits {
+                        "fits".to_string()
+                    } else {
+                        verdict_of_fit(&trial)
+                    }
+                ),
+            );
+            confirmed.push((candidate.clone(), trial));
+        }
+        Ok(confirmed)
+    }
+
+    /// Calibrates each base configuration (as written, checkpoint, bf16, both) at the cell's
+    /// batch; a base that does not apply or did not run is noted instead.
+    fn calibrate_bases(
+        &mut self,
+        cell: &TrainingCell,
+        table: &mut LiveTable,
+        notes: &mut Vec<String>,
+    ) -> Result<Vec<(Base, Calibration)>, Box<CellOutcome>> {
+        let mut calibrations = Vec::new();
+        for base in Base::ALL {
+            match self.calibrate(cell, &base.options(), cell.binding.value, table) {
+                Ok(Ok(calibration)) => calibrations.push((base, calibration)),
+                Ok(Err(why)) => notes.push(format!("{}: {why}", name_of(&base.options()))),
+                Err(TrialError::Refused(refusal)) => notes.push(format!(
+                    "{}: not applicable ({refusal})",
+                    base.options().flags()
+                )),
+                Err(TrialError::Stopped(outcome)) => return Err(outcome),
+            }
+        }
+        Ok(calibrations)
+    }
+
+    /// Shows the chosen configuration under the table and runs it (the rewritten loop with its
+    /// code shown, or the loop as written); `--show` stops before running.
+    fn run_winner(
+        &mut self,
+        cell: &TrainingCell,
+        winner: &Options,
+        show: bool,
+        table: &mut LiveTable,
+        mut lines: Vec<String>,
+        io: CellIo,
+    ) -> CellOutcome {
+        lines.push(format!(
+            "The fastest that fits: {} (run below{}).",
+            name_of(winner),
+            if show { "; --show: not run" } else { "" }
+        ));
+        table.show(&lines);
+        if winner.is_empty() {
+            (io.output)(CellOutput::Stream(
+                StreamName::Stdout,
+                "The loop fits as written.\n".into(),
+            ));
+            return if show {
+                CellOutcome::default()
+            } else {
+                self.run_cell_code(&cell.code, io)
+            };
+        }
+        let rewritten = match rewrite::rewrite(&cell.code, winner) {
+            Ok(rewritten) => rewritten,
+            Err(refusal) => {
+                return fail(CellError::new(
+                    ErrorName::RewriteRefused,
+                    format!("{}: {refusal}", winner.flags()),
+                ))
+            }
+        };
+        (io.output)(CellOutput::Display(code_display(
+            &winner.flags(),
+            &rewritten.code,
+            &rewritten.changes,
+        )));
+        if show {
+            return CellOutcome::default();
+        }
+        self.run_cell_code(&rewritten.code, io)
+    }
+}
+
+/// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the
+/// optimizer (the estimator predicts the same step time whatever the optimizer, so trials of
+/// several optimizers on one base tell less than trials of several bases).
+fn diverse(ranked: &[Candidate], n: usize) -> Vec<&Candidate> {
+    let fitting: Vec<&Candidate> = ranked.iter().filter(|c| c.fits).collect();
+    let shape = |c: &Candidate| Options {
+        optimizer: None,
+        ..c.options.clone()
+    };
+    let mut chosen: Vec<&Candidate> = Vec::new();
+    for candidate in &fitting {
+        if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
+            chosen.push(candidate);
+        }
+    }
+    for candidate in &fitting {
+        if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, *candidate)) {
+            chosen.push(candidate);
+        }
+    }
+    chosen
+}
