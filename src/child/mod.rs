@@ -8,15 +8,15 @@
 //!
 //! The protocol is evcxr 0.22's internal one (pinned exactly in Cargo.toml).
 
+mod cell_hooks;
 mod evcxr_content;
-mod hooks;
-mod runtime_hooks;
+mod runtime_slot;
 mod stdout_tap;
 
 use std::ffi::c_void;
 use std::io::BufRead;
 
-use hooks::CellHooks;
+use cell_hooks::CellHooks;
 use stdout_tap::StdoutTap;
 
 /// Environment variable that makes this binary act as the cell-running child.

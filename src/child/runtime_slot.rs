@@ -42,7 +42,7 @@ pub fn recording_enabled() -> bool {
 /// Calls the runtime's before-cell hook, if registered.
 pub fn before_cell() {
     if let Some(before) = hook(&SLOT.before_cell) {
-        // SAFETY: the runtime stored a `BeforeFn` (runtime/src/record.rs); cell libraries are
+        // SAFETY: the runtime stored a `BeforeFn` (runtime/src/hooks.rs); cell libraries are
         // never unloaded, so the code stays valid.
         let before: BeforeFn = unsafe { std::mem::transmute::<*mut c_void, BeforeFn>(before) };
         before();

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use super::runtime_hooks;
+use super::runtime_slot;
 use super::stdout_tap::StdoutTap;
 use crate::libtorch::CudaLibrary;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME, STDERR_SYNC_PREFIX};
@@ -32,8 +32,8 @@ impl CellHooks {
     /// Runs just before the cell's code.
     pub fn before_cell(&mut self) {
         let start = Instant::now();
-        if runtime_hooks::recording_enabled() {
-            runtime_hooks::before_cell();
+        if runtime_slot::recording_enabled() {
+            runtime_slot::before_cell();
         }
         self.started = Instant::now();
         self.recording_before = (self.started - start).as_secs_f64();
@@ -45,12 +45,12 @@ impl CellHooks {
     pub fn after_cell(&mut self) {
         let wall_seconds = self.started.elapsed().as_secs_f64();
         let start = Instant::now();
-        let after = if runtime_hooks::recording_enabled() {
-            runtime_hooks::after_cell()
+        let after = if runtime_slot::recording_enabled() {
+            runtime_slot::after_cell()
         } else {
             Some(Err(format!(
                 "recording is off ({}=0)",
-                runtime_hooks::RECORD_ENV
+                runtime_slot::RECORD_ENV
             )))
         };
         let recording_seconds = self.recording_before + start.elapsed().as_secs_f64();
