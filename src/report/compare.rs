@@ -4,6 +4,7 @@
 use plotters::prelude::*;
 use serde_json::{Map, Value};
 use tchmem_wire::compare::CompareRun;
+use tchmem_wire::mime::COMPARISON_MIME;
 use tchmem_wire::Display;
 
 use crate::cell_error::ErrorName;
@@ -11,9 +12,6 @@ use crate::cell_error::ErrorName;
 use super::chart::{font, TEXT_PX, TITLE_PX};
 use super::escape;
 use super::format::human_bytes;
-
-/// The MIME type of the two runs in the comparison's output.
-pub const COMPARISON_MIME: &str = "application/vnd.tchmem.comparison+json";
 
 /// One side of the comparison: its run, or why it has none (e.g. the original ran out of memory).
 pub type Side = Result<CompareRun, SideFailure>;

@@ -3,6 +3,7 @@
 
 use serde_json::{json, Map, Value};
 use tchmem_wire::memory::{Category, CategoryName};
+use tchmem_wire::mime::{ESTIMATE_MIME, TRIALS_MIME};
 use tchmem_wire::Display;
 
 use super::chart;
@@ -13,11 +14,6 @@ use crate::fit::estimate::Fixed;
 use crate::fit::estimate::Prediction;
 use crate::fit::trial::{Outcome, Trial};
 use crate::rewrite::Options;
-
-/// The MIME type of an estimate's numbers (for tests and tools).
-pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
-/// The MIME type of a trial table's numbers.
-pub const TRIALS_MIME: &str = "application/vnd.tchmem.trials+json";
 
 /// A table: header and rows of cells, as HTML and as aligned text.
 pub struct Table {
@@ -528,7 +524,7 @@ pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
     );
     let mut display = crate::report::text_display(text);
     display.data.insert(
-        crate::report::fit::ESTIMATE_MIME.into(),
+        ESTIMATE_MIME.into(),
         json!({
             "what": what,
             "parameters": fixed.parameters,

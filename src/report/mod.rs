@@ -9,12 +9,10 @@ pub mod timeline;
 
 use serde_json::{Map, Value};
 use tchmem_wire::memory::MemoryRecord;
+use tchmem_wire::mime::RECORD_MIME;
 use tchmem_wire::Display;
 
 use format::{human_bytes, signed_bytes};
-
-/// MIME type of a memory record in outputs.
-pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
 
 /// The chart of a record's categories as a standalone SVG document; the title defaults to
 /// "<device> after the cell".

@@ -8,6 +8,7 @@
 pub mod compare;
 pub mod estimate;
 pub mod memory;
+pub mod mime;
 mod slot;
 pub mod timeline;
 

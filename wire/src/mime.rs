@@ -1,0 +1,11 @@
+//! The MIME types of what the kernel shows under a cell beside its HTML and text: the numbers
+//! behind each display, for tests, tools and notebooks that read them.
+
+/// A cell's memory record (`MemoryRecord` as JSON).
+pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
+/// `%memestimate`'s prediction: terms, totals, the verdict.
+pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
+/// A table of trials (`%memfit`, calibrations, `--fit`).
+pub const TRIALS_MIME: &str = "application/vnd.tchmem.trials+json";
+/// `%%optimize --compare`'s two runs.
+pub const COMPARISON_MIME: &str = "application/vnd.tchmem.comparison+json";
