@@ -35,52 +35,7 @@ pub(crate) fn apply(
     let step = find_step(block, flag)?;
     let f16 = amp == Some(Amp::F16);
 
-    // Checks on the step's form, before anything changes.
-    match (&step.form, f16) {
-        (Form::Combined { clip: Some(_) }, true) => {
-            return Err(Refusal::at(
-                step.line,
-                "--amp f16 rewrites `backward_step(&loss)` into a GradScaler step, which does \
-                 not clip gradients; with backward_step_clip/backward_step_clip_norm use \
-                 --amp bf16 (no scaler needed)",
-            ));
-        }
-        (Form::Split { backward, .. }, true) => {
-            let tree = Tree::of(block);
-            let stmts = &tree.blocks[step.block].block.stmts;
-            if let Some(other) =
-                (backward + 1..step.index).find(|&i| !is_zero_grad(&stmts[i], &step))
-            {
-                return Err(Refusal::at(
-                    super::cell::line_of(syn::spanned::Spanned::span(&stmts[other])),
-                    format!(
-                        "--amp f16 replaces `loss.backward()` … `{}.step()` with one GradScaler \
-                         step, and this statement between them would see scaled gradients \
-                         (gradient clipping needs unscaled ones); use --amp bf16, which needs \
-                         no scaler",
-                        step.opt
-                    ),
-                ));
-            }
-        }
-        _ => {}
-    }
-    if let Form::Split {
-        zero_grad: None, ..
-    } = step.form
-    {
-        if f16 || accumulate.is_some() {
-            return Err(Refusal::at(
-                step.line,
-                format!(
-                    "{flag} looks for `{0}.zero_grad()` in the same block as `{0}.step()`; \
-                     found none, so gradients add up across steps, which this rewrite cannot \
-                     keep. Add `{0}.zero_grad();` before the backward pass.",
-                    step.opt
-                ),
-            ));
-        }
-    }
+    check_form(block, &step, f16, accumulate.is_some(), flag)?;
 
     // f16: the grad scaler, created right after the optimizer.
     let scaler = if f16 {
@@ -97,34 +52,7 @@ pub(crate) fn apply(
     let span = ForwardSpan::find(info.block, &step, flag)?;
     let stmts_now = &info.block.stmts;
     let span_stmts = &stmts_now[span.start..=span.end];
-    if let Some((what, line)) = escaping_control_flow(span_stmts, amp.is_some()) {
-        let into = if amp.is_some() {
-            "a closure (tchmem::amp::autocast)"
-        } else {
-            "a loop over micro-batches"
-        };
-        return Err(Refusal::at(
-            line,
-            format!(
-                "{flag} moves the forward pass and loss ({}) into {into}, and {what} there \
-                 would then leave it instead of the original code; move it out of those lines",
-                span.describe_lines()
-            ),
-        ));
-    }
-    if amp.is_some() {
-        if let Some(by_ref) = span.bound.iter().find(|b| b.by_ref) {
-            return Err(Refusal::at(
-                span.lines.0,
-                format!(
-                    "--amp: `ref {}` in the forward pass and loss ({}) would borrow from inside \
-                     the autocast closure; bind it by value",
-                    by_ref.ident,
-                    span.describe_lines()
-                ),
-            ));
-        }
-    }
+    check_span(&span, span_stmts, amp.is_some(), flag)?;
     let later = &stmts_now[span.end + 1..];
     let micro = match accumulate {
         Some(k) => Some((k, plan_micro_batches(&tree, &step, &span, later)?)),
@@ -162,17 +90,7 @@ pub(crate) fn apply(
         // says; else CUDA when there is one.
         let device = optimizer_site(&tree, &step).map(|site| site.vs);
         body = vec![amp::autocast(amp, device.as_ref(), &body, &returned)?];
-        changes.push(Change::over(
-            span.lines,
-            format!(
-                "--amp {}: the forward pass and loss run under tchmem::amp::autocast({}): \
-             matmuls and convolutions compute in {}, so their activations take half the memory; \
-             parameters, gradients and optimizer state stay f32",
-                if f16 { "f16" } else { "bf16" },
-                if f16 { "Half" } else { "BFloat16" },
-                if f16 { "f16" } else { "bf16" },
-            ),
-        ));
+        changes.push(amp_change(span.lines, f16));
     }
     let mut replacement = body;
     if let Some((k, batch)) = &micro {
@@ -186,62 +104,213 @@ pub(crate) fn apply(
             scaler.as_ref(),
             &generated,
         )?;
-        let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
-        changes.push(Change::over(
-            span.lines,
-            format!(
-                "--accumulate {k}: the batch ({}) runs as {k} micro-batches \
-             (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by \
-             its share of the batch, so the gradients add up to the whole batch's, and the \
-             optimizer steps once per batch; `{}` is the whole batch's loss, as before",
-                batch_names.join(", "),
-                span.loss.ident,
-            ),
-        ));
-        let text = quote::ToTokens::to_token_stream(&*block).to_string();
-        if text.contains("batch_norm") {
-            changes.push(Change::general(
-                "note: batch-norm layers normalise over each micro-batch, not the whole batch, \
-                 so their statistics (and outputs) change",
-            ));
-        }
+        let batch_norm = quote::ToTokens::to_token_stream(&*block)
+            .to_string()
+            .contains("batch_norm");
+        changes.extend(accumulate_changes(*k, batch, &span, batch_norm));
     }
 
     let step_replacement = step_stmts(&step, accumulate.is_some(), scaler.as_ref())?;
     if let Some(scaler) = &scaler {
-        if accumulate.is_none() {
-            changes.push(Change::at(
+        changes.push(scaler_change(scaler, &step, &span, accumulate.is_some()));
+    }
+
+    let new_stmts = assemble(
+        stmts_now,
+        &span,
+        &step,
+        &replacement,
+        step_replacement.as_deref(),
+        restructure.then_some((backward, zero_grad)),
+    );
+    let target: *const Block = info.block;
+    drop(tree);
+    edit_block(block, target, |b| b.stmts = new_stmts);
+    Ok(())
+}
+
+/// What `--amp` did to the forward span, for the list of changes.
+fn amp_change(lines: (usize, usize), f16: bool) -> Change {
+    let (name, kind) = if f16 {
+        ("f16", "Half")
+    } else {
+        ("bf16", "BFloat16")
+    };
+    Change::over(
+        lines,
+        format!(
+            "--amp {name}: the forward pass and loss run under tchmem::amp::autocast({kind}): \
+             matmuls and convolutions compute in {name}, so their activations take half the \
+             memory; parameters, gradients and optimizer state stay f32"
+        ),
+    )
+}
+
+/// What `--accumulate K` did, for the list of changes (and what it changes for batch norm).
+fn accumulate_changes(
+    k: u32,
+    batch: &[Ident],
+    span: &ForwardSpan,
+    batch_norm: bool,
+) -> Vec<Change> {
+    let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
+    let mut changes = vec![Change::over(
+        span.lines,
+        format!(
+            "--accumulate {k}: the batch ({}) runs as {k} micro-batches \
+             (tchmem::accumulate::split, along dim 0); each micro-batch's loss is weighted by \
+             its share of the batch, so the gradients add up to the whole batch's, and the \
+             optimizer steps once per batch; `{}` is the whole batch's loss, as before",
+            batch_names.join(", "),
+            span.loss.ident,
+        ),
+    )];
+    if batch_norm {
+        changes.push(Change::general(
+            "note: batch-norm layers normalise over each micro-batch, not the whole batch, so \
+             their statistics (and outputs) change",
+        ));
+    }
+    changes
+}
+
+/// What the f16 grad scaler does in place of the step, for the list of changes.
+fn scaler_change(scaler: &Ident, step: &Step, span: &ForwardSpan, accumulating: bool) -> Change {
+    let text = if accumulating {
+        format!(
+            "--amp f16: {scaler}.step(&mut {}) replaces the step: it unscales the accumulated \
+             gradients and skips the step when they overflow",
+            step.opt
+        )
+    } else {
+        format!(
+            "--amp f16: {scaler}.backward_step(&mut {}, &{}) replaces the step: it scales the \
+             loss so that f16 gradients do not underflow, unscales them, and skips the step \
+             when they overflow",
+            step.opt, span.loss.ident
+        )
+    };
+    Change::at(step.line, text)
+}
+
+/// Refuses a step whose form the rewrite cannot keep, before anything changes: f16 with
+/// clipping inside `backward_step_clip*`, statements between `backward()` and `step()` that
+/// would see scaled gradients, no `zero_grad()` beside the step.
+fn check_form(
+    block: &Block,
+    step: &Step,
+    f16: bool,
+    accumulate: bool,
+    flag: &str,
+) -> Result<(), Refusal> {
+    match (&step.form, f16) {
+        (Form::Combined { clip: Some(_) }, true) => {
+            return Err(Refusal::at(
                 step.line,
-                format!(
-                    "--amp f16: {scaler}.backward_step(&mut {}, &{}) replaces the step: it \
-                     scales the loss so that f16 gradients do not underflow, unscales them, and \
-                     skips the step when they overflow",
-                    step.opt, span.loss.ident
-                ),
+                "--amp f16 rewrites `backward_step(&loss)` into a GradScaler step, which does \
+                 not clip gradients; with backward_step_clip/backward_step_clip_norm use \
+                 --amp bf16 (no scaler needed)",
             ));
-        } else {
-            changes.push(Change::at(
+        }
+        (Form::Split { backward, .. }, true) => {
+            let tree = Tree::of(block);
+            let stmts = &tree.blocks[step.block].block.stmts;
+            if let Some(other) =
+                (backward + 1..step.index).find(|&i| !is_zero_grad(&stmts[i], step))
+            {
+                return Err(Refusal::at(
+                    super::cell::line_of(syn::spanned::Spanned::span(&stmts[other])),
+                    format!(
+                        "--amp f16 replaces `loss.backward()` … `{}.step()` with one GradScaler \
+                         step, and this statement between them would see scaled gradients \
+                         (gradient clipping needs unscaled ones); use --amp bf16, which needs \
+                         no scaler",
+                        step.opt
+                    ),
+                ));
+            }
+        }
+        _ => {}
+    }
+    if let Form::Split {
+        zero_grad: None, ..
+    } = step.form
+    {
+        if f16 || accumulate {
+            return Err(Refusal::at(
                 step.line,
                 format!(
-                    "--amp f16: {scaler}.step(&mut {}) replaces the step: it unscales the \
-                     accumulated gradients and skips the step when they overflow",
+                    "{flag} looks for `{0}.zero_grad()` in the same block as `{0}.step()`; \
+                     found none, so gradients add up across steps, which this rewrite cannot \
+                     keep. Add `{0}.zero_grad();` before the backward pass.",
                     step.opt
                 ),
             ));
         }
     }
+    Ok(())
+}
 
-    // Assemble the block's new statements.
-    let mut new_stmts = Vec::with_capacity(stmts_now.len() + 4);
-    for (i, stmt) in stmts_now.iter().enumerate() {
+/// Refuses a forward span that cannot move into a closure or a loop: control flow that would
+/// leave it (`return`, `break`, `?`), or, under autocast, a binding by reference.
+fn check_span(
+    span: &ForwardSpan,
+    span_stmts: &[Stmt],
+    amp: bool,
+    flag: &str,
+) -> Result<(), Refusal> {
+    if let Some((what, line)) = escaping_control_flow(span_stmts, amp) {
+        let into = if amp {
+            "a closure (tchmem::amp::autocast)"
+        } else {
+            "a loop over micro-batches"
+        };
+        return Err(Refusal::at(
+            line,
+            format!(
+                "{flag} moves the forward pass and loss ({}) into {into}, and {what} there \
+                 would then leave it instead of the original code; move it out of those lines",
+                span.describe_lines()
+            ),
+        ));
+    }
+    if amp {
+        if let Some(by_ref) = span.bound.iter().find(|b| b.by_ref) {
+            return Err(Refusal::at(
+                span.lines.0,
+                format!(
+                    "--amp: `ref {}` in the forward pass and loss ({}) would borrow from inside \
+                     the autocast closure; bind it by value",
+                    by_ref.ident,
+                    span.describe_lines()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The block's new statements: the span replaced by `replacement`, the step by
+/// `step_replacement` (when there is one), and, when the step is restructured (`removed`), its
+/// `backward()` and `zero_grad()` dropped (the scaler's or the micro-batch loop's job now).
+fn assemble(
+    stmts: &[Stmt],
+    span: &ForwardSpan,
+    step: &Step,
+    replacement: &[Stmt],
+    step_replacement: Option<&[Stmt]>,
+    removed: Option<(Option<usize>, Option<usize>)>,
+) -> Vec<Stmt> {
+    let mut new_stmts = Vec::with_capacity(stmts.len() + 4);
+    for (i, stmt) in stmts.iter().enumerate() {
+        let dropped = removed
+            .is_some_and(|(backward, zero_grad)| Some(i) == backward || Some(i) == zero_grad);
         if i == span.start {
             new_stmts.extend(replacement.iter().cloned());
-        } else if (span.start..=span.end).contains(&i) {
-            // Replaced above.
-        } else if restructure && (Some(i) == backward || Some(i) == zero_grad) {
-            // The scaler's or the micro-batch loop's job now.
+        } else if (span.start..=span.end).contains(&i) || dropped {
+            // Replaced above, or the scaler's or the micro-batch loop's job now.
         } else if i == step.index {
-            match &step_replacement {
+            match step_replacement {
                 Some(replacement) => new_stmts.extend(replacement.iter().cloned()),
                 None => new_stmts.push(stmt.clone()),
             }
@@ -249,10 +318,7 @@ pub(crate) fn apply(
             new_stmts.push(stmt.clone());
         }
     }
-    let target: *const Block = info.block;
-    drop(tree);
-    edit_block(block, target, |b| b.stmts = new_stmts);
-    Ok(())
+    new_stmts
 }
 
 fn find_step(block: &Block, flag: &str) -> Result<Step, Refusal> {
