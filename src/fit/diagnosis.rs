@@ -91,111 +91,147 @@ pub fn diagnose(event: &OomEvent, cell: &FailedCell) -> Diagnosis {
         human_bytes(reserved),
     )];
     if event.allocated.is_some() {
-        let mut parts = Vec::new();
-        for (label, bytes) in [
-            ("parameters", parameters),
-            ("gradients", gradients),
-            ("input batch", input),
-        ] {
-            if bytes > 0 {
-                parts.push(format!("{label} {}", human_bytes(bytes)));
-            }
-        }
-        if state > 0 {
-            parts.push(format!(
-                "optimizer state ≈ {} ({}'s rule, once it has stepped)",
-                human_bytes(state),
-                cell.optimizer.as_deref().unwrap_or_default()
-            ));
-        }
-        parts.push(format!(
-            "activations and other tensors {}",
-            human_bytes(activations)
+        lines.push(alive_line(
+            parameters,
+            gradients,
+            input,
+            state,
+            activations,
+            cell,
         ));
-        lines.push(format!("Alive at the failure: {}.", parts.join(", ")));
     }
-    let fragmentation = reserved.saturating_sub(allocated);
-    let fragmentation =
-        (fragmentation >= FRAGMENTED_BYTES && fragmentation * 10 >= reserved).then(|| {
-            format!(
-                "{} was reserved but not allocated at the failure (cached blocks too small or \
-                 split for the request). `%memfree` empties the cache; setting \
-                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the kernel's environment \
-                 (then restarting it) lets segments grow instead of fragmenting ({}).",
-                human_bytes(fragmentation),
-                crate::report::EXPANDABLE_SEGMENTS_MEASURED
-            )
-        });
-    let mut suggestions = Vec::new();
-    if cell.trains && activations > 0 {
-        let need = shortfall.max(1);
-        // bf16 halves the saved activations but keeps bf16 copies of the weights for backward.
-        let bf16 = (activations / 2).saturating_sub(parameters / 2);
-        if bf16 > 0 {
-            suggestions.push(Suggestion {
-                line: "%%optimize --amp bf16".into(),
-                saving: bf16,
-                why: "about half the activations, less the bf16 copies of the weights".into(),
-                covers: bf16 >= need,
-            });
-        }
-        if let Some(k) = [2u64, 4, 8, 16]
-            .into_iter()
-            .find(|k| activations - activations / k >= need)
-        {
-            let saving = activations - activations / k;
-            suggestions.push(Suggestion {
-                line: format!("%%optimize --accumulate {k}"),
-                saving,
-                why: format!("1/{k} of the activations per micro-batch, same effective batch"),
-                covers: true,
-            });
-        }
-        suggestions.push(Suggestion {
-            line: "%%optimize --checkpoint".into(),
-            saving: activations,
-            why: "up to the activations: only each segment's input is kept (costs a second \
-                  forward pass)"
-                .into(),
-            covers: activations >= need,
-        });
-        if state > 0 {
-            let saving = state - state / 100;
-            suggestions.push(Suggestion {
-                line: "%%optimize --optimizer adafactor".into(),
-                saving,
-                why: "the optimizer state, factored (a different optimizer)".into(),
-                covers: saving >= need,
-            });
-        }
-        if let Some(binding) = &cell.batch {
-            let per_sample = activations / binding.value.max(1);
-            if per_sample > 0 && binding.value > 1 {
-                let fewer = need.div_ceil(per_sample).max(1);
-                if fewer < binding.value {
-                    let batch = binding.value - fewer;
-                    suggestions.push(Suggestion {
-                        line: format!("let {} = {batch};", binding.name),
-                        saving: fewer * per_sample,
-                        why: format!(
-                            "{} of activations per sample at the failure (line {}); at least \
-                             this much smaller",
-                            human_bytes(per_sample),
-                            binding.line
-                        ),
-                        covers: true,
-                    });
-                }
-            }
-        }
-        // Covering fixes first; among them the order above (faster or exact ones first).
-        suggestions.sort_by_key(|s| !s.covers);
-    }
+    let suggestions = if cell.trains && activations > 0 {
+        fixes(cell, shortfall.max(1), activations, parameters, state)
+    } else {
+        Vec::new()
+    };
     Diagnosis {
         state: lines,
         suggestions,
-        fragmentation,
+        fragmentation: fragmentation_advice(reserved, allocated),
     }
+}
+
+/// What was alive at the failure, by category, in words.
+fn alive_line(
+    parameters: u64,
+    gradients: u64,
+    input: u64,
+    state: u64,
+    activations: u64,
+    cell: &FailedCell,
+) -> String {
+    let mut parts = Vec::new();
+    for (label, bytes) in [
+        ("parameters", parameters),
+        ("gradients", gradients),
+        ("input batch", input),
+    ] {
+        if bytes > 0 {
+            parts.push(format!("{label} {}", human_bytes(bytes)));
+        }
+    }
+    if state > 0 {
+        parts.push(format!(
+            "optimizer state ≈ {} ({}'s rule, once it has stepped)",
+            human_bytes(state),
+            cell.optimizer.as_deref().unwrap_or_default()
+        ));
+    }
+    parts.push(format!(
+        "activations and other tensors {}",
+        human_bytes(activations)
+    ));
+    format!("Alive at the failure: {}.", parts.join(", "))
+}
+
+/// Advice when much of what was reserved was not allocated (cached blocks the request could
+/// not use).
+fn fragmentation_advice(reserved: u64, allocated: u64) -> Option<String> {
+    let fragmentation = reserved.saturating_sub(allocated);
+    (fragmentation >= FRAGMENTED_BYTES && fragmentation * 10 >= reserved).then(|| {
+        format!(
+            "{} was reserved but not allocated at the failure (cached blocks too small or \
+                 split for the request). `%memfree` empties the cache; setting \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the kernel's environment \
+                 (then restarting it) lets segments grow instead of fragmenting ({}).",
+            human_bytes(fragmentation),
+            crate::report::EXPANDABLE_SEGMENTS_MEASURED
+        )
+    })
+}
+
+/// The fixes for a training cell that needed `need` more bytes, covering ones first; among
+/// them the order below (faster or exact ones first).
+fn fixes(
+    cell: &FailedCell,
+    need: u64,
+    activations: u64,
+    parameters: u64,
+    state: u64,
+) -> Vec<Suggestion> {
+    let mut suggestions = Vec::new();
+    // bf16 halves the saved activations but keeps bf16 copies of the weights for backward.
+    let bf16 = (activations / 2).saturating_sub(parameters / 2);
+    if bf16 > 0 {
+        suggestions.push(Suggestion {
+            line: "%%optimize --amp bf16".into(),
+            saving: bf16,
+            why: "about half the activations, less the bf16 copies of the weights".into(),
+            covers: bf16 >= need,
+        });
+    }
+    if let Some(k) = [2u64, 4, 8, 16]
+        .into_iter()
+        .find(|k| activations - activations / k >= need)
+    {
+        let saving = activations - activations / k;
+        suggestions.push(Suggestion {
+            line: format!("%%optimize --accumulate {k}"),
+            saving,
+            why: format!("1/{k} of the activations per micro-batch, same effective batch"),
+            covers: true,
+        });
+    }
+    suggestions.push(Suggestion {
+        line: "%%optimize --checkpoint".into(),
+        saving: activations,
+        why: "up to the activations: only each segment's input is kept (costs a second \
+                  forward pass)"
+            .into(),
+        covers: activations >= need,
+    });
+    if state > 0 {
+        let saving = state - state / 100;
+        suggestions.push(Suggestion {
+            line: "%%optimize --optimizer adafactor".into(),
+            saving,
+            why: "the optimizer state, factored (a different optimizer)".into(),
+            covers: saving >= need,
+        });
+    }
+    if let Some(binding) = &cell.batch {
+        let per_sample = activations / binding.value.max(1);
+        if per_sample > 0 && binding.value > 1 {
+            let fewer = need.div_ceil(per_sample).max(1);
+            if fewer < binding.value {
+                let batch = binding.value - fewer;
+                suggestions.push(Suggestion {
+                    line: format!("let {} = {batch};", binding.name),
+                    saving: fewer * per_sample,
+                    why: format!(
+                        "{} of activations per sample at the failure (line {}); at least \
+                             this much smaller",
+                        human_bytes(per_sample),
+                        binding.line
+                    ),
+                    covers: true,
+                });
+            }
+        }
+    }
+    suggestions.sort_by_key(|s| !s.covers);
+    suggestions
 }
 
 /// Fixes measured, not guessed: from a calibration of the failed cell (two short trials at

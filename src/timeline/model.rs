@@ -222,6 +222,51 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
         .find(|trace| !trace.is_empty())
         .unwrap_or_default();
     let truncated = capture.max_entries > 0 && entries.len() as u64 >= capture.max_entries;
+    let Traced {
+        blocks,
+        ooms,
+        allocs,
+        frees,
+    } = blocks_of(&entries, capture);
+    let start = start_state(capture);
+    let (changes, mut peak) = changes_of(&entries, &blocks, start, capture.started_us);
+    peak.alive = alive_at(&blocks, peak.change.map(|c| changes[c].entry));
+    let first = entries.first().map_or(capture.started_us, |e| e.time_us);
+    let last = entries.last().map_or(capture.ended_us, |e| e.time_us);
+    let start_us = if capture.started_us > 0 {
+        capture.started_us.min(first)
+    } else {
+        first
+    };
+    let end_us = capture.ended_us.max(last).max(start_us + 1);
+    Timeline {
+        phases: bands(capture, end_us),
+        entries,
+        blocks,
+        start,
+        changes,
+        ooms,
+        start_us,
+        end_us,
+        peak,
+        truncated,
+        allocs,
+        frees,
+    }
+}
+
+/// The blocks of a trace (each allocation, and frees of blocks made before recording), its OOMs
+/// and its counts.
+struct Traced {
+    blocks: Vec<Block>,
+    ooms: Vec<OomMark>,
+    allocs: usize,
+    frees: usize,
+}
+
+/// Reads the trace's allocations and frees into blocks, each classified by the watched
+/// storages and the phase span it was made in and outlived.
+fn blocks_of(entries: &[TraceEntry], capture: &TimelineCapture) -> Traced {
     let mut blocks: Vec<Block> = Vec::new();
     let mut live: HashMap<u64, usize> = HashMap::new();
     let mut ooms = Vec::new();
@@ -280,7 +325,17 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
         block.category = classify(block, &at_end);
     }
 
-    // The starting state: the capture's categories, which add up to the allocated bytes.
+    Traced {
+        blocks,
+        ooms,
+        allocs,
+        frees,
+    }
+}
+
+/// The state when recording began: the capture's categories, which add up to the allocated
+/// bytes.
+fn start_state(capture: &TimelineCapture) -> State {
     let mut start = State {
         reserved: capture.at_start.reserved,
         ..Default::default()
@@ -293,8 +348,18 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
         start.bytes[slot(CategoryName::Other)] += capture.at_start.allocated - counted;
     }
 
-    // Changes in trace order.
-    let mut by_entry: Vec<(usize, usize, bool)> = Vec::with_capacity(allocs + frees);
+    start
+}
+
+/// The changes of category bytes and reserved bytes in trace order, and the peak of allocated
+/// bytes among them (its alive blocks not yet listed).
+fn changes_of(
+    entries: &[TraceEntry],
+    blocks: &[Block],
+    start: State,
+    started_us: i64,
+) -> (Vec<Change>, Peak) {
+    let mut by_entry: Vec<(usize, usize, bool)> = Vec::with_capacity(entries.len());
     for (b, block) in blocks.iter().enumerate() {
         if let Some(e) = block.alloc_entry {
             by_entry.push((e, b, true));
@@ -308,7 +373,7 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
     let mut pending = by_entry.into_iter().peekable();
     let mut state = start;
     let mut peak = Peak {
-        time_us: capture.started_us,
+        time_us: started_us,
         change: None,
         state: start,
         alive: Vec::new(),
@@ -366,41 +431,23 @@ pub fn build(snapshot: Snapshot, capture: &TimelineCapture) -> Timeline {
             }
         }
     }
-    let peak_entry = peak.change.map(|c| changes[c].entry);
-    peak.alive = blocks
+    (changes, peak)
+}
+
+/// The blocks alive at trace entry `at` (none without a peak), largest first.
+fn alive_at(blocks: &[Block], at: Option<usize>) -> Vec<usize> {
+    let mut alive: Vec<usize> = blocks
         .iter()
         .enumerate()
         .filter(|(_, b)| {
-            let Some(at) = peak_entry else { return false };
+            let Some(at) = at else { return false };
             b.alloc_entry.is_some_and(|e| e <= at) && b.free_entry.is_none_or(|e| e > at)
         })
         .map(|(i, _)| i)
         .collect();
-    peak.alive
-        .sort_by_key(|&i| std::cmp::Reverse(blocks[i].size));
+    alive.sort_by_key(|&i| std::cmp::Reverse(blocks[i].size));
 
-    let first = entries.first().map_or(capture.started_us, |e| e.time_us);
-    let last = entries.last().map_or(capture.ended_us, |e| e.time_us);
-    let start_us = if capture.started_us > 0 {
-        capture.started_us.min(first)
-    } else {
-        first
-    };
-    let end_us = capture.ended_us.max(last).max(start_us + 1);
-    Timeline {
-        phases: bands(capture, end_us),
-        entries,
-        blocks,
-        start,
-        changes,
-        ooms,
-        start_us,
-        end_us,
-        peak,
-        truncated,
-        allocs,
-        frees,
-    }
+    alive
 }
 
 /// Applies one change to a state.

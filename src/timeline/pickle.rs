@@ -120,6 +120,11 @@ impl<'a> Reader<'a> {
 }
 
 /// Reads one pickled value.
+///
+/// One function on purpose (it is longer than the others): the pickle machine is a loop over
+/// opcodes with one stack and one memo, and each arm of the match is a line or two; split into
+/// functions, every arm would take the stack, the memo and the reader as arguments and the
+/// machine would no longer read as the protocol's table does.
 pub fn read(bytes: &[u8]) -> Result<Value, PickleError> {
     let mut r = Reader { bytes, at: 0 };
     let mut stack: Vec<Value> = Vec::new();
