@@ -141,6 +141,10 @@ impl Session {
                     .unwrap_or_else(|e| e.into_inner()) = Some(context.process_handle());
                 let pump = StreamPump::start(outputs.stdout, outputs.stderr);
                 session.context = Some((context, pump));
+                tracing::info!(
+                    "start: evcxr's context and the child after {:.2} s",
+                    started.elapsed().as_secs_f64()
+                );
                 session.cell_opt = cell_opt::CellOpt::start(&config.workdir)
                     .inspect_err(|error| {
                         tracing::warn!("cells keep evcxr's optimisation level: {error}")
@@ -167,6 +171,10 @@ impl Session {
                     output: sink,
                     input: None,
                 },
+            );
+            tracing::info!(
+                "start: the prelude compiled and ran after {:.2} s",
+                started.elapsed().as_secs_f64()
             );
             if outcome.error.is_none() {
                 session.child_setup = Some(context::CHILD_SETUP);
