@@ -8,8 +8,8 @@ pub enum RuntimeError {
     NoCuda,
     /// The runtime was built without CUDA headers, so the allocator's C++ API is out of reach.
     #[error(
-        "the runtime was built without CUDA headers (scripts/setup installs them), so it cannot \
-         reach {0}"
+        "the runtime was built without CUDA headers (scripts/setup installs them: pip install \
+         --no-deps nvidia-cuda-crt==13.0.88, then rebuild), so it cannot reach {0}"
     )]
     NoCudaHeaders(&'static str),
     /// libtorch (through the C++ shim in csrc/) raised an error; its message.
