@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use tchmem_wire::timeline::{TimelineCapture, TimelineRequest};
 use tchmem_wire::Display;
 
-use super::{cell_magic_reply, Cells, Runner};
+use super::{cell_magic_reply, fail, Cells, Runner};
 use crate::cell_syntax;
 use crate::magics::memprofile::MemProfileRequest;
 use crate::magics::optimize::OptimizeRequest;
@@ -145,39 +145,32 @@ impl<R: Runner> Cells<R> {
                 ..inner
             };
             return match magics::parse_cell(&inner) {
-                Ok(CellMagic::Optimize(optimize)) if optimize.compare.is_some() => CellOutcome {
-                    error: Some(CellError::new(
+                Ok(CellMagic::Optimize(optimize)) if optimize.compare.is_some() => {
+                    fail(CellError::new(
                         ErrorName::MagicError,
                         "%%memprofile records one run; %%optimize --compare makes two. Profile \
                          the rewritten loop without --compare (or each version in its own cell)."
                             .to_string(),
-                    )),
-                    ..Default::default()
-                },
+                    ))
+                }
                 Ok(CellMagic::Optimize(OptimizeRequest { fit: Some(_), .. }))
                 | Ok(CellMagic::Estimate(_))
-                | Ok(CellMagic::Fit(_)) => CellOutcome {
-                    error: Some(CellError::new(
-                        ErrorName::MagicError,
-                        "%%memprofile records one run; this magic runs the cell in several \
+                | Ok(CellMagic::Fit(_)) => fail(CellError::new(
+                    ErrorName::MagicError,
+                    "%%memprofile records one run; this magic runs the cell in several \
                          trials. Profile the loop it chooses in a cell of its own."
-                            .to_string(),
-                    )),
-                    ..Default::default()
-                },
+                        .to_string(),
+                )),
                 Ok(CellMagic::Optimize(optimize)) => {
                     self.timelines.next = Some(request);
                     let outcome = self.optimize(&optimize, &inner, io);
                     self.timelines.next = None;
                     outcome
                 }
-                Ok(CellMagic::MemProfile(_)) => CellOutcome {
-                    error: Some(CellError::new(
-                        ErrorName::MagicError,
-                        "%%memprofile appears twice at the top of this cell; keep one.".to_string(),
-                    )),
-                    ..Default::default()
-                },
+                Ok(CellMagic::MemProfile(_)) => fail(CellError::new(
+                    ErrorName::MagicError,
+                    "%%memprofile appears twice at the top of this cell; keep one.".to_string(),
+                )),
                 Err(reply) => cell_magic_reply(reply),
             };
         }

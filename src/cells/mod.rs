@@ -115,6 +115,7 @@ fn mode_name(mode: ProfileMode) -> &'static str {
         ProfileMode::Off => "off",
     }
 }
+
 impl<R: Runner> Cells<R> {
     /// The cells layer over `runner`; snapshots of timelines go to `snapshot_dir`.
     pub fn new(runner: R, snapshot_dir: PathBuf) -> Cells<R> {

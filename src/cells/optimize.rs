@@ -107,12 +107,8 @@ impl<R: Runner> Cells<R> {
         origin: CodeOrigin,
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
-        let instrumented = rewrite::instrument_for_compare(code).map_err(|refusal| {
-            Box::new(CellOutcome {
-                error: Some(origin.refused(refusal)),
-                ..Default::default()
-            })
-        })?;
+        let instrumented = rewrite::instrument_for_compare(code)
+            .map_err(|refusal| Box::new(fail(origin.refused(refusal))))?;
         (io.output)(CellOutput::Stream(
             StreamName::Stdout,
             format!("── {name}: {steps} step(s) ──\n"),

@@ -143,12 +143,10 @@ impl Engine {
 
     /// Stops the child process for good (at shutdown).
     pub fn stop_child(&self) {
-        let child = self.control.child.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(child) = child.as_ref() {
-            let mut child = child.lock().unwrap_or_else(|e| e.into_inner());
+        self.control.with_child(|child| {
             let _ = child.kill();
             let _ = child.wait();
-        }
+        });
     }
 
     /// Stops the running cell, if any, by stopping the child process (Rust code cannot be
@@ -165,13 +163,11 @@ impl Engine {
         self.control
             .interrupt_requested
             .store(true, Ordering::SeqCst);
-        let child = self.control.child.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(child) = child.as_ref() {
-            let mut child = child.lock().unwrap_or_else(|e| e.into_inner());
+        self.control.with_child(|child| {
             if let Err(error) = child.kill() {
                 tracing::warn!("could not stop the child process: {error}");
             }
-        }
+        });
         true
     }
 }

@@ -14,15 +14,26 @@ pub struct Control {
     /// Set by an interrupt; the cell that ends next reports it.
     pub interrupt_requested: AtomicBool,
     /// The process running cells (evcxr's handle), once it exists.
-    pub child: Mutex<Option<Arc<Mutex<Child>>>>,
+    child: Mutex<Option<Arc<Mutex<Child>>>>,
 }
 
 impl Control {
+    /// Calls `f` with the child process now running cells, if there is one (locks tolerate
+    /// poison: a panic elsewhere must not keep an interrupt from the child).
+    pub fn with_child<T>(&self, f: impl FnOnce(&mut Child) -> T) -> Option<T> {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let mut child = child.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
+        Some(f(&mut child))
+    }
+
     /// The id of the child process now running cells.
     pub fn child_pid(&self) -> Option<u32> {
-        let child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        let child = child.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
-        Some(child.id())
+        self.with_child(|child| child.id())
+    }
+
+    /// Makes `child` the process that interrupts reach.
+    pub fn set_child(&self, child: Arc<Mutex<Child>>) {
+        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
     }
 
     /// Marks whether a cell is running.

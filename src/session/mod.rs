@@ -134,11 +134,7 @@ impl Session {
         };
         match create_context(&config) {
             Ok((context, outputs)) => {
-                *session
-                    .control
-                    .child
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(context.process_handle());
+                session.control.set_child(context.process_handle());
                 let pump = StreamPump::start(outputs.stdout, outputs.stderr);
                 session.context = Some((context, pump));
                 tracing::info!(
