@@ -5,7 +5,7 @@
 //! `ctx`) at opt-level 0, through a profile override in a cargo config file above the compile
 //! slots, while tch, torch-sys and the runtime stay optimised: statement cells then compile about
 //! as fast as in evcxr_jupyter, although each also links tchmem's runtime
-//! (`scripts/bench-vs-evcxr`). evcxr's `:opt` is answered here and sets the cells' level only;
+//! (`scripts/bench/vs-evcxr`). evcxr's `:opt` is answered here and sets the cells' level only;
 //! passed to evcxr it would rebuild every dependency at the new level (minutes).
 
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 `%memestimate --check` (predicted and measured peaks, their errors), each `%memfit` search (its
 trials, the bracket it ended with) and `%%optimize --fit` (the confirmed candidates).
 
-    python3 scripts/gpu/fit_results.py EXECUTED.ipynb > results.json   (a table on stderr)
+    python3 scripts/gpu/analysis/fit_results.py EXECUTED.ipynb > results.json   (a table on stderr)
 """
 import json
 import sys
