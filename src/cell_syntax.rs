@@ -148,6 +148,36 @@ fn path_ends_with(path: &syn::Path, names: &[&str]) -> bool {
     segments.len() >= names.len() && segments[segments.len() - names.len()..] == *names
 }
 
+/// The cell's top-level `use` items, as Rust text (evcxr keeps none of them when the cell fails
+/// to compile; the session then keeps them itself).
+pub fn top_level_uses(cell: &str) -> Vec<String> {
+    with_block(cell, |parsed, _| {
+        let Ok(block) = parsed else {
+            return Vec::new();
+        };
+        block
+            .stmts
+            .iter()
+            .filter_map(|stmt| match stmt {
+                Stmt::Item(item @ syn::Item::Use(_)) => {
+                    Some(quote::ToTokens::to_token_stream(item).to_string())
+                }
+                _ => None,
+            })
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+/// Hands the Rust part of `cell`, parsed as a block, to `read`; `None` when it does not parse. The
+/// parsed text starts with a line `{`: cell line `n` (0-based) is the parser's line `n + 2`.
+pub fn with_parsed_block<T: Send + 'static>(
+    cell: &str,
+    read: impl FnOnce(&Block) -> T + Send + 'static,
+) -> Option<T> {
+    with_block(cell, |parsed, _| parsed.ok().map(|block| read(&block))).flatten()
+}
+
 /// Parses the Rust part of `cell` as a block (on the parsing thread, after the size limits) and
 /// hands the result and the parsed text to `judge`; `None` when the cell was not parsed. The text
 /// is the cell's Rust lines between a line `{` and a line `}`, so cell line `n` (0-based) is the
@@ -279,7 +309,21 @@ pub fn is_help_command(code: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_help_command, read, Syntax::*, Tail};
+    use super::{is_help_command, read, top_level_uses, Syntax::*, Tail};
+
+    #[test]
+    fn top_level_uses_are_found_and_nested_ones_left() {
+        let cell = ":dep foo\n// note\nuse tch::{nn, Device};\nfn f() { use std::fmt; }\n\
+                    pub use std::collections::HashMap as Map;\nlet x = 1;";
+        assert_eq!(
+            top_level_uses(cell),
+            [
+                "use tch :: { nn , Device } ;",
+                "pub use std :: collections :: HashMap as Map ;"
+            ]
+        );
+        assert!(top_level_uses("let x = ;\nuse a::b;").is_empty());
+    }
 
     #[test]
     fn cell_syntax_reads_what_the_last_statement_is() {

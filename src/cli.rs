@@ -152,6 +152,13 @@ fn prepare(args: &EngineArgs) -> anyhow::Result<()> {
         .execute(cell, io)
         .blocking_recv()
         .context("the engine stopped")?;
+    // The paths the first completions ask for, so that a start after set-up answers at once.
+    if outcome.error.is_none() {
+        engine
+            .remember_paths()
+            .blocking_recv()
+            .context("the engine stopped")?;
+    }
     engine.stop_child();
     if let Some(error) = outcome.error {
         anyhow::bail!(

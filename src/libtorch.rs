@@ -28,8 +28,9 @@ pub fn find(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
         .map(Path::to_path_buf)
         .into_iter()
         .chain(std::env::var_os("LIBTORCH").map(PathBuf::from))
-        .chain(venv_torch(&default_venv()))
-        .chain(python_torch());
+        .chain(std::iter::once_with(|| venv_torch(&default_venv())).flatten())
+        // Asked only when nothing before it holds libtorch: `import torch` takes seconds.
+        .chain(std::iter::once_with(python_torch).flatten());
     let mut tried = Vec::new();
     for candidate in candidates {
         if candidate.join("lib/libtorch_cpu.so").is_file() {

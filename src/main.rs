@@ -5,6 +5,7 @@
 //! process that loads and runs compiled cells (selected by an environment variable, see
 //! [`child`]).
 
+mod cell_edition;
 mod cell_error;
 mod cell_syntax;
 mod cells;

@@ -10,9 +10,11 @@ import time
 import uuid
 
 import zmq
+from jupyter_client.manager import start_new_kernel
 from jupyter_client.session import Session
 
-from conftest import CELL_TIMEOUT, execute, outputs, result_text, stream_text
+from conftest import (CELL_TIMEOUT, FIRST_CELL_TIMEOUT, KERNEL_NAME, execute, outputs,
+                      result_text, stream_text)
 
 # The memory summary some cells end with (%memprofile auto).
 MEMORY_MIME = "application/vnd.tchmem.record+json"
@@ -173,6 +175,30 @@ def test_completion_offers_names_with_their_signatures_beside_them(kernel):
     types = content["metadata"]["_jupyter_types_experimental"]
     size = next(t for t in types if t["text"] == "size")
     assert size["signature"].startswith("size(") and size["type"] == "function", size
+
+
+def test_the_first_completion_of_a_new_kernel_has_names_and_signatures():
+    """Right after the first cell the engine loads the code analysis (seconds); meanwhile a path
+    seen before (`tchmem prepare` and every warm-up remember `tch::Tensor::`) is answered from
+    what was kept. Either way the answer is complete (scripts/bench/completion times it)."""
+    km, kc = start_new_kernel(kernel_name=KERNEL_NAME, startup_timeout=120)
+    try:
+        reply, _ = execute(kc, "1 + 1", timeout=FIRST_CELL_TIMEOUT)
+        assert reply["status"] == "ok", reply
+        code = "let z = tch::Tensor::zer"
+        msg_id = kc.complete(code, len(code))
+        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
+        content = reply["content"]
+        assert "zeros" in content["matches"] and "zeros_like" in content["matches"], content
+        assert content["cursor_start"] == len("let z = tch::Tensor::")
+        types = content["metadata"]["_jupyter_types_experimental"]
+        zeros = next(t for t in types if t["text"] == "zeros")
+        assert zeros["signature"].startswith("zeros(") and zeros["type"] == "function", zeros
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def test_evcxr_rich_output_is_display_data_in_order_with_the_text(kernel):

@@ -157,7 +157,7 @@ impl<R: Runner> Cells<R> {
         }
         // The magic lines become blank lines, so the lines compile errors name are the cell's.
         let skipped = cell[..cell.len() - code.len()].matches('\n').count();
-        // evcxr's `:opt` sets the level of the cells' own code here (see cell_opt).
+        // `:opt` and `:edition` set how the cells' own code is built (see session/cell_build).
         let (code, said) = self.runner.take_commands(code);
         for answer in said {
             match answer {

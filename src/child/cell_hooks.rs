@@ -19,14 +19,19 @@ pub struct CellHooks {
 
 impl CellHooks {
     /// Hooks that report through `tap`.
-    pub fn new(tap: StdoutTap, cuda: CudaLibrary) -> Self {
+    pub fn new(tap: StdoutTap) -> Self {
         Self {
             tap,
-            cuda,
+            cuda: CudaLibrary::Absent("not loaded yet (evcxr's warm-up)".into()),
             cells_run: 0,
             started: Instant::now(),
             recording_before: 0.0,
         }
+    }
+
+    /// What became of libtorch_cuda, for the next reports.
+    pub fn set_cuda_library(&mut self, cuda: CudaLibrary) {
+        self.cuda = cuda;
     }
 
     /// Runs just before the cell's code.

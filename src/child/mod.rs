@@ -16,6 +16,7 @@ mod stdout_tap;
 use std::ffi::c_void;
 use std::io::BufRead;
 
+use crate::libtorch::CudaLibrary;
 use cell_hooks::CellHooks;
 use stdout_tap::StdoutTap;
 
@@ -35,7 +36,9 @@ pub fn is_child_process() -> bool {
 
 /// Runs the child loop until stdin closes; never returns.
 pub fn run() -> ! {
-    let cuda = crate::libtorch::load_cuda_globally();
+    // libtorch_cuda (and the CUDA libraries under it) takes seconds to load: it loads while
+    // evcxr compiles its warm-up and the prelude, and every cell but the warm-up waits for it.
+    let mut cuda = CudaLoad::start();
     let tap = match StdoutTap::install() {
         Ok(tap) => tap,
         Err(error) => {
@@ -43,7 +46,7 @@ pub fn run() -> ! {
             std::process::exit(98);
         }
     };
-    let mut hooks = CellHooks::new(tap, cuda);
+    let mut hooks = CellHooks::new(tap);
     // Libraries are never unloaded: a cell's thread-locals and statics may outlive its call.
     let mut libraries: Vec<libloading::Library> = Vec::new();
     let mut variable_store: *mut c_void = std::ptr::null_mut();
@@ -63,6 +66,11 @@ pub fn run() -> ! {
             eprintln!("tchmem child: unrecognised instruction {line:?}");
             std::process::exit(99);
         };
+        if function != WARM_UP_FUNCTION {
+            if let Some(loaded) = cuda.finish() {
+                hooks.set_cuda_library(loaded);
+            }
+        }
         // SAFETY: the library was just compiled by evcxr from the user's cell; running its code
         // is the point of this process.
         let library = match unsafe { libloading::Library::new(library_path) } {
@@ -91,6 +99,32 @@ pub fn run() -> ! {
         hooks.after_cell();
         hooks.write_line(EXECUTION_COMPLETE);
         libraries.push(library);
+    }
+}
+
+/// libtorch_cuda loading on a thread of its own, waited for once.
+struct CudaLoad(Option<std::thread::JoinHandle<CudaLibrary>>);
+
+impl CudaLoad {
+    fn start() -> CudaLoad {
+        let spawned = std::thread::Builder::new()
+            .name("load-libtorch-cuda".into())
+            .spawn(crate::libtorch::load_cuda_globally);
+        // Without a thread (none could be started) it loads here, as it did before.
+        CudaLoad(Some(spawned.unwrap_or_else(|_| {
+            let loaded = crate::libtorch::load_cuda_globally();
+            std::thread::spawn(move || loaded)
+        })))
+    }
+
+    /// The load's result the first time it is asked for (waiting for it); `None` after that.
+    fn finish(&mut self) -> Option<CudaLibrary> {
+        let handle = self.0.take()?;
+        Some(
+            handle
+                .join()
+                .unwrap_or_else(|_| CudaLibrary::Failed("its loading thread panicked".into())),
+        )
     }
 }
 

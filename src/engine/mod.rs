@@ -7,7 +7,7 @@
 
 mod start_progress;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ pub use crate::session::{
 pub use start_progress::{Progress, Stage};
 
 use crate::cells::Cells;
+use crate::session::PathCompletions;
 use crate::session::{Control, Session};
 use start_progress::Startup;
 
@@ -35,6 +36,11 @@ pub struct Engine {
     jobs: mpsc::Sender<Job>,
     control: Arc<Control>,
     startup: Arc<Startup>,
+    /// Path completions remembered from the code analysis: the answer while the engine thread
+    /// is busy (starting, loading the analysis, running a cell).
+    paths: Arc<PathCompletions>,
+    /// The engine thread waits for a job (and the analysis has loaded).
+    idle: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -47,6 +53,13 @@ impl Engine {
         let startup = Arc::new(Startup::begin(config.workdir.clone()));
         let warm_up = config.warm_up_analysis;
         let thread_startup = Arc::clone(&startup);
+        let paths = Arc::new(PathCompletions::load(
+            config.workdir.parent(),
+            &config.prelude().unwrap_or_default(),
+        ));
+        let thread_paths = Arc::clone(&paths);
+        let idle = Arc::new(AtomicBool::new(false));
+        let thread_idle = Arc::clone(&idle);
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -60,14 +73,17 @@ impl Engine {
                 let mut warmed = !warm_up;
                 loop {
                     let job = if warmed {
-                        queue.recv().ok()
+                        thread_idle.store(true, Ordering::SeqCst);
+                        let job = queue.recv().ok();
+                        thread_idle.store(false, Ordering::SeqCst);
+                        job
                     } else {
                         match queue.try_recv() {
                             Ok(job) => Some(job),
                             Err(mpsc::TryRecvError::Empty) => {
                                 let _ =
                                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                        session.runner_mut().warm_up_analysis()
+                                        session.runner_mut().warm_up_analysis(&thread_paths)
                                     }));
                                 warmed = true;
                                 continue;
@@ -91,6 +107,8 @@ impl Engine {
             jobs,
             control,
             startup,
+            paths,
+            idle,
         }
     }
 
@@ -131,9 +149,31 @@ impl Engine {
         })
     }
 
-    /// Completions at `cursor` (a character index).
+    /// Completions at `cursor` (a character index). While the engine thread is busy, a path
+    /// it has seen before (`tch::Tensor::ze`) is answered at once from the remembered members;
+    /// a path of tch or std it has not seen is remembered after the analysis answered it.
     pub fn complete(&self, code: String, cursor: usize) -> oneshot::Receiver<CompletionOutcome> {
-        self.submit(move |session| session.runner_mut().complete(&code, cursor))
+        if !self.idle.load(Ordering::SeqCst) {
+            if let Some(answer) = self.paths.answer(&code, cursor) {
+                let (tx, rx) = oneshot::channel();
+                let _ = tx.send(answer);
+                return rx;
+            }
+        }
+        let unseen = self.paths.unseen_path(&code, cursor);
+        let answer = self.submit(move |session| session.runner_mut().complete(&code, cursor));
+        if let Some(path) = unseen {
+            let paths = Arc::clone(&self.paths);
+            self.submit(move |session| session.runner_mut().remember_path(&path, &paths));
+        }
+        answer
+    }
+
+    /// Asks the code analysis for the paths a start remembers (`tchmem prepare`: the first
+    /// start after set-up then answers its first completion from them).
+    pub fn remember_paths(&self) -> oneshot::Receiver<()> {
+        let paths = Arc::clone(&self.paths);
+        self.submit(move |session| session.runner_mut().warm_up_analysis(&paths))
     }
 
     /// Documentation for what is at `cursor` (a character index).

@@ -7,6 +7,7 @@ use std::process::Command;
 use anyhow::Context;
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
+use super::deferred_std::DeferredStd;
 use crate::child::CHILD_ENV;
 
 /// The tch version the runtime crate and cells use (it must match libtorch 2.11).
@@ -31,6 +32,9 @@ pub struct EngineConfig {
     /// Load the code analysis at the engine's first idle moment (a kernel, whose users ask for
     /// completions; not a headless run).
     pub warm_up_analysis: bool,
+    /// evcxr's warm-up is analysed without the standard library (set by
+    /// [`EngineConfig::apply_to_process_environment`]).
+    pub deferred_std: Option<DeferredStd>,
 }
 
 impl EngineConfig {
@@ -46,12 +50,13 @@ impl EngineConfig {
             runtime_crate: runtime_crate_dir(),
             workdir,
             warm_up_analysis: false,
+            deferred_std: None,
         }
     }
 
     /// Sets the variables that evcxr and cargo (torch-sys' build script) read. Call before
     /// starting threads: the environment is process-wide.
-    pub fn apply_to_process_environment(&self) {
+    pub fn apply_to_process_environment(&mut self) {
         std::env::set_var("EVCXR_TMPDIR", &self.workdir);
         // libtorch's own DWARF reader names the file and line of each frame of an allocation's
         // stack (%%memprofile --stacks; cells then have line tables); its default names only
@@ -63,6 +68,10 @@ impl EngineConfig {
             std::env::set_var("LIBTORCH", libtorch);
         }
         add_cargo_to_path();
+        if self.libtorch.is_some() {
+            let root = self.workdir.parent().unwrap_or(&self.workdir);
+            self.deferred_std = DeferredStd::begin(root);
+        }
     }
 
     /// Directories the child's dynamic loader must search: libtorch, Rust's standard library
@@ -97,20 +106,38 @@ impl EngineConfig {
         Ok(path)
     }
 
-    /// The `:dep` lines every session starts with.
+    /// The `:dep` lines every session starts with, and what every cell shares.
+    ///
+    /// Nothing in it imports from tch: evcxr's code analysis reads a crate's imports before
+    /// anything else, and reading tch's (its generated tensor methods) took 4.3 s of a start
+    /// (measured). Cells that name tch pay that once the analysis needs it (a `let` whose type
+    /// it must tell, a completion), or at the engine's first idle moment.
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
         Some(format!(
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
-             // A cell ending in a Debug value compiles once (see ShowDebugValue).\n\
-             use tchmem::display::ShowDebugValue as _;\n\
+             {SHOW_DEBUG_VALUE}\n\
              {CHILD_SETUP}\n",
             self.runtime_crate.display()
         ))
     }
 }
+
+/// A cell ending in a value is compiled by evcxr with `(value).evcxr_display();` first, and
+/// again with `Debug` formatting when that does not compile (numbers, strings, tensors): two
+/// compiles. This trait, an item of every cell, makes the first one compile for `Debug` values
+/// (a type's own inherent `evcxr_display` still wins), printing the block evcxr's own fallback
+/// prints. It lives in the cells rather than in the runtime, whose import would make the code
+/// analysis read tch at the start (see [`EngineConfig::prelude`]).
+const SHOW_DEBUG_VALUE: &str = "#[doc(hidden)] pub trait __TchmemShowDebugValue { \
+    fn evcxr_display(&self); } \
+    impl<T: ::std::fmt::Debug + ?Sized> __TchmemShowDebugValue for T { \
+    fn evcxr_display(&self) { use ::std::io::Write as _; let text = format!(\"{:?}\", self); \
+    let mut out = ::std::io::stdout().lock(); \
+    let _ = write!(out, \"EVCXR_BEGIN_CONTENT text/plain\\n{}\\nEVCXR_END_CONTENT\\n\", text); \
+    let _ = out.flush(); } }";
 
 /// `$TCHMEM_RUNTIME_DIR`; else `share/tchmem/runtime` beside the binary's `bin/` (an offline
 /// bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's sources.
@@ -139,7 +166,14 @@ pub fn create_context(
     child
         .env(CHILD_ENV, "1")
         .env("LD_LIBRARY_PATH", config.child_library_path()?);
-    let (context, outputs) = EvalContext::with_subprocess_command(child).map_err(|error| {
+    if let Some(deferred) = &config.deferred_std {
+        deferred.hide_from(&mut child);
+    }
+    let created = EvalContext::with_subprocess_command(child);
+    if let Some(deferred) = config.deferred_std {
+        deferred.end();
+    }
+    let (context, outputs) = created.map_err(|error| {
         anyhow::anyhow!(
             "cannot start the Rust evaluator: {error}\nIt needs cargo and rustc on PATH and the \
              rust-src component (`rustup component add rust-src`)."

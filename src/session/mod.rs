@@ -2,13 +2,15 @@
 //! and runs code, and answers completion and inspection. It knows no magic: what a cell means
 //! (magics, records, rewrites) is the `cells` layer's, which drives it through [`Runner`].
 
-mod cell_opt;
+mod cell_build;
 mod completion;
 mod context;
 pub mod control;
+mod deferred_std;
 pub mod errors;
 mod infer;
 mod outcome;
+pub mod path_completions;
 mod positions;
 mod rich;
 mod runner;
@@ -27,6 +29,7 @@ pub use context::{EngineConfig, TCH_VERSION};
 pub use control::Control;
 pub use errors::{CellError, ErrorName};
 pub use outcome::{CellIo, CellOutcome, CompletionOutcome, InputFn, InspectOutcome};
+pub use path_completions::PathCompletions;
 pub use runner::Runner;
 pub use streams::{CellOutput, OutputSink, StreamName};
 
@@ -113,7 +116,7 @@ pub struct Session {
     /// The compile directory (its generated `src/lib.rs` maps stacks to cells).
     workdir: std::path::PathBuf,
     /// The cells' own optimisation level (`:opt`); `None` when its file could not be written.
-    cell_opt: Option<cell_opt::CellOpt>,
+    cell_build: Option<cell_build::CellBuild>,
     control: Arc<Control>,
 }
 
@@ -129,7 +132,7 @@ impl Session {
             child_restarted: false,
             generation: 0,
             workdir: config.workdir.clone(),
-            cell_opt: None,
+            cell_build: None,
             control,
         };
         match create_context(&config) {
@@ -141,9 +144,9 @@ impl Session {
                     "start: evcxr's context and the child after {:.2} s",
                     started.elapsed().as_secs_f64()
                 );
-                session.cell_opt = cell_opt::CellOpt::start(&config.workdir)
+                session.cell_build = cell_build::CellBuild::start(&config.workdir)
                     .inspect_err(|error| {
-                        tracing::warn!("cells keep evcxr's optimisation level: {error}")
+                        tracing::warn!("cells keep evcxr's optimisation level and edition: {error}")
                     })
                     .ok();
             }
@@ -238,6 +241,12 @@ impl Session {
                 ..Default::default()
             };
         };
+        // Cells read as edition 2021 unless the user said otherwise (see crate::cell_edition).
+        let rewritten = match &self.cell_build {
+            Some(build) if build.edition_2024() => None,
+            _ => crate::cell_edition::as_2021(code),
+        };
+        let code = rewritten.as_deref().unwrap_or(code);
         let ends_in_value = !matches!(
             cell_syntax::read(code),
             Syntax::Valid(Tail::Statement | Tail::Unit)
@@ -279,6 +288,7 @@ impl Session {
 
         let mut outcome = CellOutcome::default();
         let mut timing = None;
+        let mut failed_to_compile = false;
         match result {
             Ok(outputs) => {
                 // What evcxr collected: the child's report and the output of `:` commands (the
@@ -289,6 +299,9 @@ impl Session {
                     .and_then(|json| serde_json::from_str::<CellReport>(&json).ok());
                 outcome.data = data.into_iter().collect();
                 timing = outputs.timing;
+                for phase in &outputs.phases {
+                    tracing::debug!("evcxr phase {}: {:?}", phase.name, phase.duration);
+                }
             }
             Err(error) => {
                 let termination = if interrupted {
@@ -296,11 +309,15 @@ impl Session {
                 } else {
                     Termination::Crashed
                 };
+                failed_to_compile = matches!(error, evcxr::Error::CompilationErrors(_));
                 outcome.error = Some(errors::from_evcxr(error, &compiled, termination));
             }
         }
         let took = timing.map(|timing| format!("Took {}ms\n", timing.as_millis()));
         settle_output(pump, &mut outcome, &io.output, took.as_deref());
+        if let (true, Some(error)) = (failed_to_compile, outcome.error.as_mut()) {
+            keep_uses(context, code, error);
+        }
         tracing::debug!(
             "the cell's output was drained {:?} after it began",
             started.elapsed()
@@ -349,16 +366,25 @@ impl Session {
         }
     }
 
-    /// Runs one completion nobody asked for, so that the code analysis has loaded the crate
-    /// graph (tch's included) before the user's first request.
-    pub fn warm_up_analysis(&mut self) {
+    /// Asks the code analysis for the members of each of [`path_completions::WARM_PATHS`] and
+    /// keeps them in `paths`. The first request loads the crate graph (tch's included), so the
+    /// analysis is ready before the user's first request, and until it is, `paths` answers.
+    pub fn warm_up_analysis(&mut self, paths: &PathCompletions) {
         let started = Instant::now();
-        let found = self.complete("tch::Tensor::zer", "tch::Tensor::zer".len());
+        for path in path_completions::WARM_PATHS {
+            self.remember_path(path, paths);
+        }
         tracing::info!(
-            "code analysis ready in {:.1} s ({} completions for a test request)",
+            "code analysis ready in {:.1} s ({} paths remembered)",
             started.elapsed().as_secs_f64(),
-            found.matches.len()
+            path_completions::WARM_PATHS.len()
         );
+    }
+
+    /// Keeps the members of `path` (which ends in `::`) in `paths`.
+    pub fn remember_path(&mut self, path: &str, paths: &PathCompletions) {
+        let found = self.complete(path, path.chars().count());
+        paths.remember(path, &found.candidates);
     }
 
     /// Hover documentation at a character cursor.
@@ -405,15 +431,15 @@ impl Runner for Session {
     }
 
     fn take_commands(&mut self, code: &str) -> (String, Vec<Result<String, String>>) {
-        match self.cell_opt.as_mut() {
-            Some(cell_opt) => cell_opt.take_commands(code),
+        match self.cell_build.as_mut() {
+            Some(cell_build) => cell_build.take_commands(code),
             None => (code.to_string(), Vec::new()),
         }
     }
 
     fn set_line_tables(&mut self, on: bool) {
-        if let Some(cell_opt) = self.cell_opt.as_mut() {
-            if let Err(error) = cell_opt.set_line_tables(on) {
+        if let Some(cell_build) = self.cell_build.as_mut() {
+            if let Err(error) = cell_build.set_line_tables(on) {
                 tracing::warn!("could not switch the cells' line tables: {error}");
             }
         }
@@ -424,6 +450,26 @@ impl Runner for Session {
             .map(|text| text.lines().map(str::to_string).collect())
             .unwrap_or_default()
     }
+}
+
+/// evcxr keeps nothing of a cell that failed to compile, its `use` lines included, so the next
+/// cells would fail on names the user imported: they are run alone and kept, and the error says
+/// whether they were.
+fn keep_uses(context: &mut CommandContext, code: &str, error: &mut CellError) {
+    let uses = cell_syntax::top_level_uses(code);
+    if uses.is_empty() {
+        return;
+    }
+    let note = match context.execute(&uses.join("\n")) {
+        Ok(_) => "tchmem: the cell's `use` lines were kept for the next cells (its other items \
+                  and variables were not: run the cell again once it compiles)"
+            .to_string(),
+        Err(_) => "tchmem: the cell's `use` lines were not kept either (they name what the cell \
+                   defines): run the cell again once it compiles"
+            .to_string(),
+    };
+    error.traceback.push(String::new());
+    error.traceback.push(note);
 }
 
 /// Takes the rest of a cell's output off the pump: trailing rich blocks shown or kept as the

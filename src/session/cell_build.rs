@@ -1,4 +1,4 @@
-//! The optimisation level of cells' own code.
+//! How cells' own code is built: its optimisation level, its line tables and its edition.
 //!
 //! evcxr builds a cell and its dependencies with one profile (opt-level 2). A cell's own code is
 //! small and its heavy work runs inside libtorch, so tchmem compiles the cell crate (evcxr's
@@ -7,6 +7,10 @@
 //! as fast as in evcxr_jupyter, although each also links tchmem's runtime
 //! (`scripts/bench/vs-evcxr`). evcxr's `:opt` is answered here and sets the cells' level only;
 //! passed to evcxr it would rebuild every dependency at the new level (minutes).
+//!
+//! Cells are edition 2021 unless a cell says `:edition 2024`: evcxr's cell crate is 2024 (its own
+//! code in every cell needs it), and the session writes out 2021's rules where they differ (see
+//! [`crate::cell_edition`]).
 
 use std::path::{Path, PathBuf};
 
@@ -16,27 +20,40 @@ use crate::cell_syntax;
 const DEFAULT_LEVEL: &str = "0";
 /// Levels cargo accepts for `opt-level`.
 const LEVELS: [&str; 6] = ["0", "1", "2", "3", "s", "z"];
+/// The edition cells start with: tch's and its examples'.
+pub const DEFAULT_EDITION: &str = "2021";
+/// Editions `:edition` accepts (2018 code reads as 2021 where cells differ).
+const EDITIONS: [&str; 3] = ["2018", "2021", "2024"];
 
-/// The cells' optimisation level, kept in the cargo config file that cargo reads above a slot.
-pub struct CellOpt {
+/// How cells are built: the level and line tables in the cargo config file that cargo reads
+/// above a slot, the edition in the session.
+pub struct CellBuild {
     config: PathBuf,
     level: String,
     /// Cells keep line tables (for `%%memprofile --stacks`, whose frames then name cell lines).
     line_tables: bool,
+    edition: String,
 }
 
-impl CellOpt {
-    /// Sets cells under the slot directory `slot` to the default level. The file is shared by the
-    /// slots under one root (kernels running at once), so the last `:opt` wins for all of them.
-    pub fn start(slot: &Path) -> std::io::Result<CellOpt> {
+impl CellBuild {
+    /// Sets cells under the slot directory `slot` to the default level and edition. The config
+    /// file is shared by the slots under one root (kernels running at once), so the last `:opt`
+    /// wins for all of them; the edition is this session's.
+    pub fn start(slot: &Path) -> std::io::Result<CellBuild> {
         let root = slot.parent().unwrap_or(slot);
-        let cell_opt = CellOpt {
+        let build = CellBuild {
             config: root.join(".cargo").join("config.toml"),
             level: DEFAULT_LEVEL.to_string(),
             line_tables: false,
+            edition: DEFAULT_EDITION.to_string(),
         };
-        cell_opt.write()?;
-        Ok(cell_opt)
+        build.write()?;
+        Ok(build)
+    }
+
+    /// Whether cells are read with edition 2024's rules (else 2021's are written out).
+    pub fn edition_2024(&self) -> bool {
+        self.edition == "2024"
     }
 
     fn write(&self) -> std::io::Result<()> {
@@ -44,7 +61,7 @@ impl CellOpt {
         std::fs::write(
             &self.config,
             format!(
-                "# Written by tchmem (src/session/cell_opt.rs): the optimisation level of cells'\n\
+                "# Written by tchmem (src/session/cell_build.rs): the optimisation level of cells'\n\
                  # own code (evcxr's crate `ctx`); their dependencies keep evcxr's level. `:opt N`\n\
                  # in a cell changes it.\n\
                  [profile.dev.package.ctx]\nopt-level = {}\n{}",
@@ -69,8 +86,9 @@ impl CellOpt {
         self.write()
     }
 
-    /// Answers the `:opt` commands among the evcxr command lines at the top of `code` (`:opt N`
-    /// sets the level, `:opt` alone toggles between 0 and 2, as in evcxr). Returns the code with
+    /// Answers the `:opt` and `:edition` commands among the evcxr command lines at the top of
+    /// `code` (`:opt N` sets the level, `:opt` alone toggles between 0 and 2, as in evcxr;
+    /// `:edition 2024` the cells' edition, `:edition` alone tells it). Returns the code with
     /// those lines blanked (so that line numbers stay) and what to tell the user.
     pub fn take_commands(&mut self, code: &str) -> (String, Vec<Result<String, String>>) {
         let mut said = Vec::new();
@@ -78,19 +96,42 @@ impl CellOpt {
         let mut leading = true;
         for line in code.split('\n') {
             leading = leading && cell_syntax::is_before_rust(line);
-            let argument = line
-                .trim()
-                .strip_prefix(":opt")
-                .filter(|rest| rest.is_empty() || rest.starts_with(' '));
-            match argument {
-                Some(argument) if leading => {
-                    said.push(self.set(argument.trim()));
-                    lines.push("");
+            let command = |name: &str| {
+                line.trim()
+                    .strip_prefix(name)
+                    .filter(|rest| rest.is_empty() || rest.starts_with(' '))
+                    .map(str::trim)
+            };
+            match (command(":opt"), command(":edition")) {
+                (Some(argument), _) if leading => said.push(self.set(argument)),
+                (_, Some(argument)) if leading => said.push(self.set_edition(argument)),
+                _ => {
+                    lines.push(line);
+                    continue;
                 }
-                _ => lines.push(line),
             }
+            lines.push("");
         }
         (lines.join("\n"), said)
+    }
+
+    fn set_edition(&mut self, argument: &str) -> Result<String, String> {
+        let edition = match argument {
+            "" => self.edition.clone(),
+            edition if EDITIONS.contains(&edition) => edition.to_string(),
+            other => {
+                return Err(format!(
+                    ":edition takes one of {}; got `{other}`",
+                    EDITIONS.join(", ")
+                ))
+            }
+        };
+        self.edition = edition;
+        Ok(format!(
+            "Edition: {} (cells' own code; tchmem starts cells at {DEFAULT_EDITION}, the edition \
+             of tch and its examples)",
+            self.edition
+        ))
     }
 
     fn set(&mut self, argument: &str) -> Result<String, String> {
@@ -134,7 +175,7 @@ mod tests {
     fn cells_start_unoptimised_and_opt_sets_or_toggles_their_level() {
         let root = std::env::temp_dir().join(format!("tchmem-cell-opt-{}", std::process::id()));
         let slot = root.join("slot-0");
-        let mut cell_opt = CellOpt::start(&slot).unwrap();
+        let mut cell_opt = CellBuild::start(&slot).unwrap();
         let config = root.join(".cargo/config.toml");
         assert!(std::fs::read_to_string(&config)
             .unwrap()
@@ -168,6 +209,26 @@ mod tests {
         assert!(!std::fs::read_to_string(&config).unwrap().contains("debug"));
         let (code, said) = cell_opt.take_commands(":optional_thing\n1");
         assert!(said.is_empty() && code == ":optional_thing\n1");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn cells_are_edition_2021_until_a_cell_says_otherwise() {
+        let root = std::env::temp_dir().join(format!("tchmem-edition-{}", std::process::id()));
+        let mut build = CellBuild::start(&root.join("slot-0")).unwrap();
+        assert!(!build.edition_2024());
+        let (code, said) = build.take_commands(":edition 2024\nlet x = 1;");
+        assert_eq!(code, "\nlet x = 1;");
+        assert!(said[0].as_ref().unwrap().starts_with("Edition: 2024"));
+        assert!(build.edition_2024());
+        let (_, said) = build.take_commands(":edition");
+        assert!(said[0].as_ref().unwrap().starts_with("Edition: 2024"));
+        let (_, said) = build.take_commands(":edition 2027");
+        assert!(said[0].as_ref().unwrap_err().contains("2018, 2021, 2024"));
+        let (_, said) = build.take_commands(":edition 2021");
+        assert!(said[0].is_ok() && !build.edition_2024());
+        let (code, said) = build.take_commands(":editions\n1");
+        assert!(said.is_empty() && code == ":editions\n1");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

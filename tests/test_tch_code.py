@@ -1,0 +1,77 @@
+"""tch code as tch users write it (the style of tch-rs's examples and docs), pasted into cells of a
+real kernel: it compiles and runs as it would in a `main.rs` of edition 2021."""
+
+from conftest import execute, result_text, stream_text
+
+# A model part the way tch-rs's examples build them: a function taking `&nn::Path` and returning
+# `impl ModuleT` (edition 2021 code: the return type does not capture the path's lifetime).
+BLOCK = """use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+fn residual_block(p: &nn::Path, dim: i64) -> impl ModuleT {
+    let norm = nn::layer_norm(p / "norm", vec![dim], Default::default());
+    let proj = nn::linear(p / "proj", dim, dim, Default::default());
+    nn::func_t(move |xs, train| xs + xs.apply(&norm).apply(&proj).dropout(0.1, train))
+}
+"""
+
+# The block built from a temporary path and used in one expression: a borrow of the temporary
+# that edition 2024 would keep alive in the returned model.
+USE_BLOCK = """let vs = nn::VarStore::new(Device::Cpu);
+let shape = {
+    let block = residual_block(&(vs.root() / "block0"), 8);
+    block.forward_t(&Tensor::ones([2, 8], (Kind::Float, Device::Cpu)), true).size()
+};
+shape"""
+
+
+def test_edition_2021_code_compiles_and_edition_can_be_chosen(kernel):
+    _, kc = kernel
+    reply, messages = execute(kc, BLOCK)
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, USE_BLOCK)
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "[2, 8]"
+
+    # A user who wants 2024 says so; the function defined again then meets 2024's capture rules
+    # (items defined before keep the edition they were defined in).
+    reply, messages = execute(kc, ":edition 2024")
+    assert reply["status"] == "ok", reply
+    assert stream_text(messages).startswith("Edition: 2024")
+    reply, _ = execute(kc, BLOCK)
+    assert reply["status"] == "ok", reply
+    reply, _ = execute(kc, USE_BLOCK.replace("block0", "block1"))
+    assert reply["status"] == "error"
+    assert "E0716" in "\n".join(reply["traceback"]) + reply["evalue"], reply
+
+    reply, messages = execute(kc, ":edition 2021\n" + BLOCK)
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, USE_BLOCK.replace("block0", "block2"))
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "[2, 8]"
+
+    reply, _ = execute(kc, ":edition 2015")
+    assert reply["status"] == "error"
+    assert "2018, 2021, 2024" in reply["evalue"]
+
+
+def test_a_cell_that_fails_to_compile_keeps_its_use_lines(kernel):
+    _, kc = kernel
+    reply, _ = execute(
+        kc,
+        "use std::collections::BTreeSet;\n"
+        "let numbers: BTreeSet<i64> = [3, 1].into_iter().collect();\n"
+        'let broken: i64 = "not a number";',
+    )
+    assert reply["status"] == "error"
+    assert "E0308" in "\n".join(reply["traceback"])
+    assert "`use` lines were kept" in "\n".join(reply["traceback"])
+    reply, messages = execute(kc, "BTreeSet::<i64>::new().len()")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "0"
+
+    # A `use` of what the failed cell defined cannot be kept; the error says so.
+    reply, _ = execute(kc, "mod shapes { pub fn square(x: i64) -> i64 { x * x } }\n"
+                           "use shapes::square;\nlet wrong: String = square(2);")
+    assert reply["status"] == "error"
+    assert "were not kept either" in "\n".join(reply["traceback"])
