@@ -75,3 +75,29 @@ def test_a_cell_that_fails_to_compile_keeps_its_use_lines(kernel):
                            "use shapes::square;\nlet wrong: String = square(2);")
     assert reply["status"] == "error"
     assert "were not kept either" in "\n".join(reply["traceback"])
+
+
+def test_a_model_of_impl_trait_type_is_kept_for_later_cells(kernel):
+    """`let model = residual_block(..)` has type `impl ModuleT`, which evcxr cannot keep: the
+    kernel keeps it boxed, and later cells use and train it as they would the model itself."""
+    _, kc = kernel
+    reply, _ = execute(kc, BLOCK)
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(
+        kc,
+        "use tch::nn::OptimizerConfig;\n"
+        "let vs = nn::VarStore::new(Device::Cpu);\n"
+        "let model = residual_block(&(vs.root() / \"kept\"), 8);\n"
+        "let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();",
+    )
+    assert reply["status"] == "ok", reply
+    assert "kept as `tchmem::boxed::DynModuleT`" in stream_text(messages, "stderr")
+    reply, messages = execute(
+        kc,
+        "let xs = Tensor::ones([2, 8], (Kind::Float, Device::Cpu));\n"
+        "let before = xs.apply_t(&model, false);\n"
+        "opt.backward_step(&xs.apply_t(&model, true).square().sum(Kind::Float));\n"
+        "(before.size(), before.equal(&xs.apply_t(&model, false)))",
+    )
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "([2, 8], false)"

@@ -5,6 +5,7 @@
 
 pub mod accumulate;
 pub mod amp;
+pub mod boxed;
 mod categories;
 pub mod checkpoint;
 pub mod compare;

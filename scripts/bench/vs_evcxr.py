@@ -20,6 +20,8 @@ CELLS = {
     "1 + 1": "1 + {i}",
     "let x = 5;": "let x = {i};",
     "x * 2": "x * {i}",
+    "use line": "use std::collections::BTreeMap as Map{i};",
+    "let tensor": "let t = tch::Tensor::ones([{n}], tch::kind::FLOAT_CPU);",
     "tensor sum": "tch::Tensor::ones([1000], tch::kind::FLOAT_CPU)"
                   ".sum(tch::Kind::Float).double_value(&[]) + {i}.0",
     "VarStore + linear": "let vs = tch::nn::VarStore::new(tch::Device::Cpu);\n"

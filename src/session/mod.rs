@@ -9,6 +9,7 @@ pub mod control;
 mod deferred_std;
 pub mod errors;
 mod infer;
+mod opaque;
 mod outcome;
 pub mod path_completions;
 mod positions;
@@ -90,6 +91,22 @@ fn typed_by_compiler(
         ),
     ));
     Some(infer::annotate(code, &lets, &types))
+}
+
+/// When evcxr refuses to keep a variable of `impl Trait` type: the cell with it boxed (see
+/// [`opaque`]), after telling the user.
+fn opaque_boxed(code: &str, message: &str, output: &OutputSink) -> Option<String> {
+    let (variable, ty) = opaque::opaque_variable(message)?;
+    let boxed = opaque::box_variable(code, variable, ty)?;
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: `{variable}` has type `{ty}`, which cannot be named to keep it between \
+             cells: it is kept as `{}`\n",
+            opaque::kept_as(ty)
+        ),
+    ));
+    Some(boxed)
 }
 
 /// The file in a compile directory that says its dependencies were checked (see
@@ -270,9 +287,11 @@ impl Session {
         // The code compile errors point into: the cell, or the cell with types written out.
         let mut compiled = std::borrow::Cow::Borrowed(code);
         if let Err(evcxr::Error::Message(message)) = &result {
-            if let Some(annotated) = typed_by_compiler(context, code, message, &io.output) {
-                result = context.execute_with_callbacks(&annotated, &mut callbacks);
-                compiled = annotated.into();
+            let retried = typed_by_compiler(context, code, message, &io.output)
+                .or_else(|| opaque_boxed(code, message, &io.output));
+            if let Some(retried) = retried {
+                result = context.execute_with_callbacks(&retried, &mut callbacks);
+                compiled = retried.into();
             }
         }
         self.control.set_running(false);
