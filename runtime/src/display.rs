@@ -102,3 +102,29 @@ pub(crate) fn send(message: &CellMessage) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}", message.to_line()).and_then(|_| out.flush());
 }
+
+/// The value a cell ends in, shown with `Debug` as evcxr shows it, in one compile.
+///
+/// evcxr compiles a cell that ends in a value with `(value).evcxr_display();` first and, when
+/// that does not compile (the type has no `evcxr_display` method, as for numbers, strings and
+/// tensors), compiles the whole cell again with `Debug` formatting: every such cell cost two
+/// compiles. The kernel imports this trait into every cell (`use … as _`), so that the first
+/// compile already succeeds for `Debug` values. A type's own inherent `evcxr_display` still wins
+/// (Rust prefers inherent methods), so rich displays keep working.
+pub trait ShowDebugValue {
+    /// Sends the value as the cell's `text/plain` result, formatted with `{:?}`.
+    fn evcxr_display(&self);
+}
+
+impl<T: std::fmt::Debug + ?Sized> ShowDebugValue for T {
+    fn evcxr_display(&self) {
+        let text = format!("{self:?}");
+        let mut out = std::io::stdout().lock();
+        // The block evcxr's own Debug fallback prints; the kernel turns it into the result.
+        let _ = write!(
+            out,
+            "EVCXR_BEGIN_CONTENT text/plain\n{text}\nEVCXR_END_CONTENT\n"
+        );
+        let _ = out.flush();
+    }
+}

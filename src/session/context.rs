@@ -106,38 +106,20 @@ impl EngineConfig {
         Ok(path)
     }
 
-    /// The `:dep` lines every session starts with, and what every cell shares.
-    ///
-    /// Nothing in it imports from tch: evcxr's code analysis reads a crate's imports before
-    /// anything else, and reading tch's (its generated tensor methods) took 4.3 s of a start
-    /// (measured). Cells that name tch pay that once the analysis needs it (a `let` whose type
-    /// it must tell, a completion), or at the engine's first idle moment.
+    /// The `:dep` lines every session starts with.
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
         Some(format!(
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
-             {SHOW_DEBUG_VALUE}\n\
+             // A cell ending in a Debug value compiles once (see ShowDebugValue).\n\
+             use tchmem::display::ShowDebugValue as _;\n\
              {CHILD_SETUP}\n",
             self.runtime_crate.display()
         ))
     }
 }
-
-/// A cell ending in a value is compiled by evcxr with `(value).evcxr_display();` first, and
-/// again with `Debug` formatting when that does not compile (numbers, strings, tensors): two
-/// compiles. This trait, an item of every cell, makes the first one compile for `Debug` values
-/// (a type's own inherent `evcxr_display` still wins), printing the block evcxr's own fallback
-/// prints. It lives in the cells rather than in the runtime, whose import would make the code
-/// analysis read tch at the start (see [`EngineConfig::prelude`]).
-const SHOW_DEBUG_VALUE: &str = "#[doc(hidden)] pub trait __TchmemShowDebugValue { \
-    fn evcxr_display(&self); } \
-    impl<T: ::std::fmt::Debug + ?Sized> __TchmemShowDebugValue for T { \
-    fn evcxr_display(&self) { use ::std::io::Write as _; let text = format!(\"{:?}\", self); \
-    let mut out = ::std::io::stdout().lock(); \
-    let _ = write!(out, \"EVCXR_BEGIN_CONTENT text/plain\\n{}\\nEVCXR_END_CONTENT\\n\", text); \
-    let _ = out.flush(); } }";
 
 /// `$TCHMEM_RUNTIME_DIR`; else `share/tchmem/runtime` beside the binary's `bin/` (an offline
 /// bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's sources.
