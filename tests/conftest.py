@@ -57,6 +57,15 @@ def execute(kc, code, timeout=CELL_TIMEOUT, **kwargs):
             return reply["content"], messages
 
 
+def complete(kc, code, timeout=CELL_TIMEOUT):
+    """Asks for completions at the end of `code`; returns the reply's content."""
+    msg_id = kc.complete(code, len(code))
+    reply = kc.get_shell_msg(timeout=timeout)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kc.get_shell_msg(timeout=timeout)
+    return reply["content"]
+
+
 def outputs(messages, msg_type):
     return [m["content"] for m in messages if m["msg_type"] == msg_type]
 

@@ -13,7 +13,7 @@ import zmq
 from jupyter_client.manager import start_new_kernel
 from jupyter_client.session import Session
 
-from conftest import (CELL_TIMEOUT, FIRST_CELL_TIMEOUT, KERNEL_NAME, execute, outputs,
+from conftest import (FIRST_CELL_TIMEOUT, KERNEL_NAME, complete, execute, outputs,
                       result_text, stream_text)
 
 # The memory summary some cells end with (%memprofile auto).
@@ -162,12 +162,7 @@ def test_completion_offers_names_with_their_signatures_beside_them(kernel):
     _, kc = kernel
     reply, _ = execute(kc, "let completion_tensor = tch::Tensor::from(1.0f32);")
     assert reply["status"] == "ok", reply
-    code = "completion_tensor.siz"
-    msg_id = kc.complete(code, len(code))
-    reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
-    content = reply["content"]
+    content = complete(kc, "completion_tensor.siz")
     # Names to insert, not calls with their parameter names filled in.
     assert "size" in content["matches"], content["matches"]
     assert all("(" not in m for m in content["matches"]), content["matches"]
@@ -185,12 +180,7 @@ def test_the_first_completion_of_a_new_kernel_has_names_and_signatures():
     try:
         reply, _ = execute(kc, "1 + 1", timeout=FIRST_CELL_TIMEOUT)
         assert reply["status"] == "ok", reply
-        code = "let z = tch::Tensor::zer"
-        msg_id = kc.complete(code, len(code))
-        reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
-        while reply["parent_header"].get("msg_id") != msg_id:
-            reply = kc.get_shell_msg(timeout=CELL_TIMEOUT)
-        content = reply["content"]
+        content = complete(kc, "let z = tch::Tensor::zer")
         assert "zeros" in content["matches"] and "zeros_like" in content["matches"], content
         assert content["cursor_start"] == len("let z = tch::Tensor::")
         types = content["metadata"]["_jupyter_types_experimental"]

@@ -31,9 +31,6 @@ pub fn untyped_lets(code: &str) -> Option<Vec<Untyped>> {
     }
     // Line 1 is the brace; the cell's line k is line k + 1.
     let block: syn::Block = syn::parse_str(&format!("{{\n{code}\n}}")).ok()?;
-    let line_starts: Vec<usize> = std::iter::once(0)
-        .chain(code.match_indices('\n').map(|(i, _)| i + 1))
-        .collect();
     let mut found = Vec::new();
     for statement in &block.stmts {
         let Stmt::Local(local) = statement else {
@@ -46,14 +43,8 @@ pub fn untyped_lets(code: &str) -> Option<Vec<Untyped>> {
             continue;
         };
         let end = syn::spanned::Spanned::span(&local.pat).end();
-        let line_start = *line_starts.get(end.line.checked_sub(2)?)?;
-        let column: usize = code[line_start..]
-            .chars()
-            .take(end.column)
-            .map(char::len_utf8)
-            .sum();
         found.push(Untyped {
-            insert_at: line_start + column,
+            insert_at: super::positions::offset_in_block(code, end)?,
             probe,
         });
     }

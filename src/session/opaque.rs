@@ -68,19 +68,7 @@ pub fn box_variable(code: &str, variable: &str, ty: &str) -> Option<String> {
             })
         })??;
     let (kept_as, boxing) = boxed(ty);
-    let line_starts: Vec<usize> = std::iter::once(0)
-        .chain(code.match_indices('\n').map(|(i, _)| i + 1))
-        .collect();
-    // The parsed text's line 1 is a brace: cell line k (0-based) is its line k + 2.
-    let offset = |at: proc_macro2::LineColumn| -> Option<usize> {
-        let start = *line_starts.get(at.line.checked_sub(2)?)?;
-        let column: usize = code[start..]
-            .chars()
-            .take(at.column)
-            .map(char::len_utf8)
-            .sum();
-        Some(start + column)
-    };
+    let offset = |at| super::positions::offset_in_block(code, at);
     let (pattern_end, value_start, value_end) = (
         offset(pattern_end)?,
         offset(value_start)?,
