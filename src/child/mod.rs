@@ -102,29 +102,36 @@ pub fn run() -> ! {
     }
 }
 
-/// libtorch_cuda loading on a thread of its own, waited for once.
-struct CudaLoad(Option<std::thread::JoinHandle<CudaLibrary>>);
+/// libtorch_cuda loading on a thread of its own (or loaded here when no thread could be
+/// started), its result handed over once.
+enum CudaLoad {
+    Loading(std::thread::JoinHandle<CudaLibrary>),
+    Loaded(CudaLibrary),
+    HandedOver,
+}
 
 impl CudaLoad {
     fn start() -> CudaLoad {
-        let spawned = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("load-libtorch-cuda".into())
-            .spawn(crate::libtorch::load_cuda_globally);
-        // Without a thread (none could be started) it loads here, as it did before.
-        CudaLoad(Some(spawned.unwrap_or_else(|_| {
-            let loaded = crate::libtorch::load_cuda_globally();
-            std::thread::spawn(move || loaded)
-        })))
+            .spawn(crate::libtorch::load_cuda_globally)
+            .map_or_else(
+                |_| CudaLoad::Loaded(crate::libtorch::load_cuda_globally()),
+                CudaLoad::Loading,
+            )
     }
 
     /// The load's result the first time it is asked for (waiting for it); `None` after that.
     fn finish(&mut self) -> Option<CudaLibrary> {
-        let handle = self.0.take()?;
-        Some(
-            handle
-                .join()
-                .unwrap_or_else(|_| CudaLibrary::Failed("its loading thread panicked".into())),
-        )
+        match std::mem::replace(self, CudaLoad::HandedOver) {
+            CudaLoad::Loading(handle) => Some(
+                handle
+                    .join()
+                    .unwrap_or_else(|_| CudaLibrary::Failed("its loading thread panicked".into())),
+            ),
+            CudaLoad::Loaded(library) => Some(library),
+            CudaLoad::HandedOver => None,
+        }
     }
 }
 

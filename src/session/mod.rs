@@ -132,7 +132,8 @@ pub struct Session {
     generation: u64,
     /// The compile directory (its generated `src/lib.rs` maps stacks to cells).
     workdir: std::path::PathBuf,
-    /// The cells' own optimisation level (`:opt`); `None` when its file could not be written.
+    /// How the cells' own code is built (`:opt`, `:edition`); `None` when its file could not be
+    /// written (cells then keep evcxr's level, and are read as edition 2021).
     cell_build: Option<cell_build::CellBuild>,
     control: Arc<Control>,
 }
