@@ -18,6 +18,7 @@ fn main() {
         .file("csrc/autocast.cpp")
         .file("csrc/adam.cpp")
         .file("csrc/stack.cpp")
+        .file("csrc/grad.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

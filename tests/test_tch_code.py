@@ -1,7 +1,7 @@
 """tch code as tch users write it (the style of tch-rs's examples and docs), pasted into cells of a
 real kernel: it compiles and runs as it would in a `main.rs` of edition 2021."""
 
-from conftest import execute, result_text, stream_text
+from conftest import execute, outputs, result_text, stream_text
 
 # A model part the way tch-rs's examples build them: a function taking `&nn::Path` and returning
 # `impl ModuleT` (edition 2021 code: the return type does not capture the path's lifetime).
@@ -101,3 +101,76 @@ def test_a_model_of_impl_trait_type_is_kept_for_later_cells(kernel):
     )
     assert reply["status"] == "ok", reply
     assert result_text(messages) == "([2, 8], false)"
+
+
+# The exploratory pattern: the batch in one cell, the model and its optimizer in the next, the
+# loop alone after them, run once, then compared and estimated.
+SPLIT_BATCH = "const BATCH_SIZE: i64 = 16;"
+SPLIT_MODEL = """use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+let vs = nn::VarStore::new(Device::Cpu);
+let net = nn::seq()
+    .add(nn::linear(vs.root() / "l1", 8, 32, Default::default()))
+    .add_fn(|x| x.relu())
+    .add(nn::linear(vs.root() / "l2", 32, 4, Default::default()));
+let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
+fn weights(vs: &nn::VarStore) -> Vec<(String, Vec<f32>, bool)> {
+    let mut all: Vec<_> = vs
+        .variables()
+        .into_iter()
+        .map(|(name, t)| (name, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap(), t.grad().defined()))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all
+}"""
+SPLIT_LOOP = """for _ in 0..3 {
+    let xs = Tensor::randn([BATCH_SIZE, 8], (Kind::Float, Device::Cpu));
+    let ys = Tensor::randint(4, [BATCH_SIZE], (Kind::Int64, Device::Cpu));
+    let loss = net.forward(&xs).cross_entropy_for_logits(&ys);
+    opt.backward_step(&loss);
+}"""
+COMPARISON_MIME = "application/vnd.tchmem.comparison+json"
+ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
+
+
+def displayed(messages, mime):
+    """What `mime` shows: in new displays, or in displays replaced in place (live tables)."""
+    shown = outputs(messages, "display_data") + outputs(messages, "update_display_data")
+    return [d["data"][mime] for d in shown if mime in d["data"]]
+
+
+def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left_as_it_was(kernel):
+    _, kc = kernel
+    for cell in (SPLIT_BATCH, SPLIT_MODEL, SPLIT_LOOP, "let before = weights(&vs);"):
+        reply, _ = execute(kc, cell)
+        assert reply["status"] == "ok", (cell, reply)
+
+    # Both runs start from the notebook's weights (same seed, same first loss) with a fresh
+    # optimizer each; the notebook's model and gradients are as they were after them.
+    reply, messages = execute(kc, "%%optimize --optimizer sgd --compare 2\n" + SPLIT_LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    (result,) = displayed(messages, COMPARISON_MIME)
+    original, rewritten = result["original"]["losses"], result["rewritten"]["losses"]
+    assert len(original) == len(rewritten) == 2
+    assert abs(original[0] - rewritten[0]) <= 1e-6, (original, rewritten)
+    code = "".join(d["text/markdown"] for d in
+                   [m["data"] for m in outputs(messages, "display_data")] if "text/markdown" in d)
+    assert "the optimizer `opt` is built in cell [" in code, code
+    reply, messages = execute(kc, "weights(&vs) == before")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "true"
+
+    # %memestimate alone: the batch const of the first cell is the batch, the model is kept.
+    reply, messages = execute(kc, "%memestimate", timeout=300)
+    assert reply["status"] == "ok", reply
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
+    assert "BATCH_SIZE = 16" in estimate["what"] and "Adam" in estimate["what"], estimate
+    parameters = (8 * 32 + 32 + 32 * 4 + 4) * 4
+    assert estimate["parameters"] == parameters, estimate
+    reply, messages = execute(kc, "weights(&vs) == before")
+    assert result_text(messages) == "true"
+
+    # The notebook's own optimizer still steps its model.
+    reply, messages = execute(kc, SPLIT_LOOP + "\nweights(&vs) == before")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "false"

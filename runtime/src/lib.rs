@@ -15,6 +15,7 @@ pub mod error;
 pub mod estimate;
 mod ffi;
 pub mod hooks;
+pub mod keep;
 mod nvml;
 pub mod oom;
 pub mod record;

@@ -43,13 +43,13 @@ impl<R: Runner> Cells<R> {
         let what = estimate_label(&cell.binding.name, target, &full, &rule);
         // Refuse before any trial runs if the rewrites do not apply.
         if !full.is_empty() {
-            if let Err(refusal) = rewrite::rewrite(&cell.code, &full) {
+            if let Err(refusal) = rewrite::rewrite(&cell.assembled.code, &full) {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,
                     format!(
                         "%memestimate {} does not apply to this cell: {}",
                         full.flags(),
-                        refusal.shifted(cell.offset)
+                        cell.assembled.in_cell_terms(refusal).shifted(cell.offset)
                     ),
                 ));
             }
@@ -194,7 +194,7 @@ impl<R: Runner> Cells<R> {
             Ok(found) => found,
             Err(stopped) => return *stopped,
         };
-        let mut lines = found_lines(&found, allowed, &cell.binding.name);
+        let mut lines = found_lines(&found, allowed, &cell);
         let wanted = cell.binding.value;
         if args.keep_effective_batch {
             match found.batch {
@@ -339,7 +339,7 @@ impl<R: Runner> Cells<R> {
 
 /// What `%memfit`'s search found, in words: the largest batch and the line to use it, or that
 /// none fits.
-fn found_lines(found: &Found, allowed: u64, name: &str) -> Vec<String> {
+fn found_lines(found: &Found, allowed: u64, cell: &TrainingCell) -> Vec<String> {
     let Some(best) = found.batch else {
         return vec![format!(
             "No batch fits, down to {}: the fixed terms (parameters, gradients, optimizer \
@@ -365,7 +365,7 @@ fn found_lines(found: &Found, allowed: u64, name: &str) -> Vec<String> {
                 None => String::new(),
             }
         ),
-        format!("Use it:  let {name} = {best};"),
+        format!("Use it:  {}", cell.batch_code(best)),
     ]
 }
 

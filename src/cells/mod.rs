@@ -23,7 +23,7 @@ pub use memprofile::snapshot_dir;
 use crate::cell_syntax;
 use crate::magics::{self, CellMagic, Magic, MagicReply, ProfileMode};
 use crate::report;
-use crate::rewrite;
+use crate::rewrite::{self, earlier::Assembled, earlier::EarlierCell, earlier::Wanted};
 use crate::session::{
     CellError, CellIo, CellOutcome, CellOutput, ErrorName, OutputSink, StreamName,
 };
@@ -48,6 +48,9 @@ pub struct Cells<R> {
     /// The last cell with a training step that ran (failed ones too): what `%memestimate` and
     /// `%memfit` act on when they are alone in their cell.
     last_training_cell: Option<String>,
+    /// The code of every cell that compiled, in order: where magics follow a name back to the
+    /// cell that defined it.
+    history: Vec<EarlierCell>,
 }
 
 /// Where a report's displays go: the cell's output.
@@ -128,12 +131,18 @@ impl<R: Runner> Cells<R> {
             watched_generation: 0,
             timelines: Timelines::new(snapshot_dir),
             last_training_cell: None,
+            history: Vec::new(),
         }
     }
 
     /// The runner, for what needs no cell meaning (completion, inspection).
     pub fn runner_mut(&mut self) -> &mut R {
         &mut self.runner
+    }
+
+    /// `code` with what `wanted` from the cells that ran before in front of it.
+    fn assemble(&self, code: &str, wanted: Wanted) -> Assembled {
+        rewrite::earlier::assemble(code, &self.history, wanted)
     }
 
     /// Runs one cell: its magics, then its code, then records its memory.
@@ -186,6 +195,16 @@ impl<R: Runner> Cells<R> {
             }
             outcome
         };
+        let compiled = outcome
+            .error
+            .as_ref()
+            .is_none_or(|error| error.ename != ErrorName::CompilationError);
+        if compiled && !code.trim().is_empty() {
+            self.history.push(EarlierCell {
+                run: self.runs,
+                code: code.to_string(),
+            });
+        }
         if cell_syntax::is_help_command(code) && outcome.error.is_none() {
             outcome.page = std::mem::take(&mut outcome.data);
         }

@@ -11,6 +11,7 @@ use super::{fail, Cells, Runner};
 use crate::magics::optimize::OptimizeRequest;
 use crate::magics::CellMagicSource;
 use crate::report::compare::{comparison_display, Side, SideFailure};
+use crate::rewrite::earlier::Wanted;
 use crate::rewrite::{self, Change, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName, StreamName};
 
@@ -30,8 +31,12 @@ fn refused(refusal: Refusal, body_offset: usize) -> CellError {
 /// Where a compare run's code comes from, for the line numbers of a refusal.
 #[derive(Clone, Copy)]
 enum CodeOrigin {
-    /// The cell's own body, starting this many lines below the magic line.
-    Cell { body_offset: usize },
+    /// The cell's own body, starting this many lines below the magic line, after this many
+    /// lines brought from earlier cells.
+    Cell {
+        body_offset: usize,
+        prelude_lines: usize,
+    },
     /// The rewritten code shown above (its own line numbers).
     Rewritten,
 }
@@ -39,7 +44,15 @@ enum CodeOrigin {
 impl CodeOrigin {
     fn refused(self, refusal: Refusal) -> CellError {
         match self {
-            CodeOrigin::Cell { body_offset } => refused(refusal, body_offset),
+            CodeOrigin::Cell {
+                body_offset,
+                prelude_lines,
+            } => {
+                let line = refusal
+                    .line
+                    .and_then(|line| line.checked_sub(prelude_lines));
+                refused(Refusal { line, ..refusal }, body_offset)
+            }
             CodeOrigin::Rewritten => CellError::new(
                 ErrorName::RewriteRefused,
                 format!(
@@ -71,27 +84,41 @@ pub(super) fn code_display(flags: &str, code: &str, changes: &[Change]) -> Displ
 
 /// The cell that runs one instrumented version for `steps` steps, in a block so that it leaves
 /// no variables behind (whatever its last expression's type), and returns the measurements as
-/// its value. evcxr's `:` commands stay at the top of the cell, where evcxr reads them.
-pub(super) fn compare_cell(instrumented: &str, steps: u32) -> String {
+/// its value. evcxr's `:` commands stay at the top of the cell, where evcxr reads them. The
+/// VarStores in `keep` (made by earlier cells) are kept before the run and put back after it,
+/// however it ends (see the runtime's `tchmem::keep`).
+pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String]) -> String {
     let (commands, code): (Vec<&str>, Vec<&str>) = instrumented
         .lines()
         .partition(|line| line.trim_start().starts_with(':'));
+    let (commands, code) = (commands.join("\n"), code.join("\n"));
+    if keep.is_empty() {
+        return format!(
+            "{commands}\ntchmem::compare::begin({steps});\nlet _ = {{\n{code}\n}};\n\
+             tchmem::compare::finish()\n"
+        );
+    }
+    let kept: String = keep
+        .iter()
+        .map(|store| format!("tchmem::keep::keep(&{store}), "))
+        .collect();
+    // The kept copies live in the block, so they are dropped (and put back) when it ends.
     format!(
-        "{}\ntchmem::compare::begin({steps});\nlet _ = {{\n{}\n}};\ntchmem::compare::finish()\n",
-        commands.join("\n"),
-        code.join("\n")
+        "{commands}\n{{\nlet __tchmem_kept = ({kept});\ntchmem::compare::begin({steps});\n\
+         let _ = {{\n{code}\n}};\ntchmem::compare::finish()\n}}\n"
     )
 }
 
-/// Why `--compare` would mislead on this cell, if it would: both runs must start from fresh
-/// weights, so the VarStore must be made in the cell (a model from an earlier cell would be
-/// trained by the first run and handed, trained, to the second).
-pub(super) fn compare_misleads(body: &str) -> Option<String> {
-    (!body.contains("VarStore::new")).then(|| {
-        "--compare runs the original and the rewritten loop one after the other, each from \
-         fresh weights; this cell does not create its VarStore (nn::VarStore::new), so the \
-         second run would start from what the first one trained. Put the model's construction \
-         in the cell, or leave out --compare."
+/// Why `--compare` and trials would mislead on this cell, if they would: every run must start
+/// from the same weights, so the VarStore must be made in the cell, or be one an earlier cell
+/// made that the runs keep and put back (`kept`).
+pub(super) fn compare_misleads(body: &str, kept: &[String]) -> Option<String> {
+    (!body.contains("VarStore::new") && kept.is_empty()).then(|| {
+        "--compare and trials run the loop several times, each from the same weights; this \
+         cell does not create its VarStore (nn::VarStore::new), and it uses none that an \
+         earlier cell made (`let vs = nn::VarStore::new(..)` at the top of a cell), so the \
+         runs would start from what the one before trained. Use the model through a variable \
+         of an earlier cell, put its construction in the cell, or leave out --compare."
             .to_string()
     })
 }
@@ -105,6 +132,7 @@ impl<R: Runner> Cells<R> {
         code: &str,
         steps: u32,
         origin: CodeOrigin,
+        keep: &[String],
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
         let instrumented = rewrite::instrument_for_compare(code)
@@ -114,7 +142,7 @@ impl<R: Runner> Cells<R> {
             format!("── {name}: {steps} step(s) ──\n"),
         ));
         let outcome = self.run_cell_code(
-            &compare_cell(&instrumented, steps),
+            &compare_cell(&instrumented, steps, keep),
             CellIo {
                 output: Arc::clone(&io.output),
                 input: None,
@@ -141,10 +169,26 @@ impl<R: Runner> Cells<R> {
         if let Some(target) = request.fit {
             return self.optimize_fit(target, request, source, io);
         }
-        let rewritten = match rewrite::rewrite(source.body, &request.options) {
+        // A comparison steps a fresh optimizer on each side; a swap needs the optimizer in the
+        // code: either way one built in an earlier cell is rebuilt from it.
+        let assembled = self.assemble(
+            source.body,
+            Wanted {
+                batch: false,
+                optimizer: request.compare.is_some() || request.options.optimizer.is_some(),
+            },
+        );
+        let mut rewritten = match rewrite::rewrite(&assembled.code, &request.options) {
             Ok(rewritten) => rewritten,
-            Err(refusal) => return fail(refused(refusal, source.body_offset)),
+            Err(refusal) => {
+                return fail(refused(
+                    assembled.in_cell_terms(refusal),
+                    source.body_offset,
+                ))
+            }
         };
+        let brought = assembled.notes().into_iter().map(Change::general);
+        rewritten.changes.splice(0..0, brought);
         let flags = request.options.flags();
         (io.output)(CellOutput::Display(code_display(
             &flags,
@@ -157,14 +201,16 @@ impl<R: Runner> Cells<R> {
         let Some(steps) = request.compare else {
             return self.run_cell_code(&rewritten.code, io);
         };
-        if let Some(why) = compare_misleads(source.body) {
+        let keep = &assembled.var_stores;
+        if let Some(why) = compare_misleads(source.body, keep) {
             return fail(CellError::new(ErrorName::RewriteRefused, why));
         }
-        let mut run = |name, code, origin| self.compare_side(name, code, steps, origin, &io);
+        let mut run = |name, code, origin| self.compare_side(name, code, steps, origin, keep, &io);
         let cell = CodeOrigin::Cell {
             body_offset: source.body_offset,
+            prelude_lines: assembled.prelude_lines,
         };
-        let original_side = match run("original", source.body, cell) {
+        let original_side = match run("original", &assembled.code, cell) {
             Ok(side) => side,
             Err(stop) => return *stop,
         };
@@ -225,22 +271,36 @@ mod tests {
 
     #[test]
     fn the_compare_cell_keeps_commands_on_top_and_any_tail_value_in_a_block() {
-        let cell = compare_cell(":dep rand = \"0.8\"\nlet x = 1;\nx + 1", 3);
+        let cell = compare_cell(":dep rand = \"0.8\"\nlet x = 1;\nx + 1", 3, &[]);
         assert!(cell.starts_with(":dep rand"), "{cell}");
         assert!(
             cell.contains("begin(3);\nlet _ = {\nlet x = 1;\nx + 1\n};"),
             "{cell}"
         );
         assert!(cell.trim_end().ends_with("tchmem::compare::finish()"));
+        // Stores of earlier cells are kept in a block that ends after the measurements.
+        let cell = compare_cell(
+            "opt.backward_step(&loss);",
+            2,
+            &["vs".into(), "critic".into()],
+        );
+        assert!(
+            cell.contains(
+                "{\nlet __tchmem_kept = (tchmem::keep::keep(&vs), tchmem::keep::keep(&critic), );\n\
+                 tchmem::compare::begin(2);\nlet _ = {\nopt.backward_step(&loss);\n};\n\
+                 tchmem::compare::finish()\n}"
+            ),
+            "{cell}"
+        );
     }
 
     #[test]
-    fn compare_needs_the_var_store_made_in_the_cell() {
-        assert!(compare_misleads("let vs = nn::VarStore::new(d);").is_none());
-        assert!(
-            compare_misleads("for x in xs { opt.backward_step(&loss); }")
-                .unwrap()
-                .contains("VarStore::new")
-        );
+    fn compare_needs_the_var_store_made_in_the_cell_or_kept() {
+        let step = "for x in xs { opt.backward_step(&loss); }";
+        assert!(compare_misleads("let vs = nn::VarStore::new(d);", &[]).is_none());
+        assert!(compare_misleads(step, &["vs".into()]).is_none());
+        assert!(compare_misleads(step, &[])
+            .unwrap()
+            .contains("VarStore::new"));
     }
 }

@@ -12,6 +12,7 @@ use crate::magics::optimize::{FitTarget, OptimizeRequest};
 use crate::magics::CellMagicSource;
 use crate::report::fit::{fit_summary, fits_in, name_of, verdict_of_fit, LiveTable};
 use crate::report::format::human_bytes;
+use crate::rewrite::earlier::Wanted;
 use crate::rewrite::{self, Options};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName, StreamName};
 
@@ -224,15 +225,25 @@ impl<R: Runner> Cells<R> {
                 self.run_cell_code(&cell.code, io)
             };
         }
-        let rewritten = match rewrite::rewrite(&cell.code, winner) {
+        // A leaner optimizer replaces the one the cell steps, wherever it was built.
+        let assembled = self.assemble(
+            &cell.code,
+            Wanted {
+                batch: false,
+                optimizer: winner.optimizer.is_some(),
+            },
+        );
+        let mut rewritten = match rewrite::rewrite(&assembled.code, winner) {
             Ok(rewritten) => rewritten,
             Err(refusal) => {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,
-                    format!("{}: {refusal}", winner.flags()),
+                    format!("{}: {}", winner.flags(), assembled.in_cell_terms(refusal)),
                 ))
             }
         };
+        let brought = assembled.notes().into_iter().map(rewrite::Change::general);
+        rewritten.changes.splice(0..0, brought);
         (io.output)(CellOutput::Display(code_display(
             &winner.flags(),
             &rewritten.code,

@@ -78,10 +78,12 @@ impl Gpu {
     }
 }
 
-/// The batch literal the trial put into the cell (`let batch_size: i64 = N;`).
+/// The batch literal the trial put into the cell (`let batch_size: i64 = N;`, or a const of
+/// an earlier cell brought in front of it).
 fn batch_of(code: &str) -> u64 {
     let (_, rest) = code
         .split_once("let batch_size: i64 = ")
+        .or_else(|| code.split_once("const BATCH_SIZE: i64 = "))
         .expect("the cell binds its batch");
     rest.split(';').next().unwrap().trim().parse().unwrap()
 }
@@ -270,6 +272,66 @@ fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
         .map(|code| batch_of(code))
         .collect();
     assert_eq!(trials, [8, 8, 8, 8]);
+}
+
+/// The exploratory pattern: the batch and the model in earlier cells, the loop alone.
+const SPLIT_CELLS: [&str; 2] = [
+    "const BATCH_SIZE: i64 = 64;",
+    "use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+let vs = nn::VarStore::new(Device::Cuda(0));
+let model = nn::linear(vs.root() / \"a\", 64, 10, Default::default());
+let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();",
+];
+const SPLIT_LOOP: &str = "\
+for _ in 0..3 {
+    let xs = Tensor::randn([BATCH_SIZE, 64], (Kind::Float, Device::Cuda(0)));
+    let ys = Tensor::randint(10, [BATCH_SIZE], (Kind::Int64, Device::Cuda(0)));
+    let loss = model.forward(&xs).cross_entropy_for_logits(&ys);
+    opt.backward_step(&loss);
+}";
+
+#[test]
+fn memfit_follows_the_batch_optimizer_and_model_back_to_their_cells() {
+    let mut cells = cells(FakeRunner::on(gpu()));
+    let shown = Shown::default();
+    for cell in SPLIT_CELLS {
+        assert_eq!(cells.execute(cell, shown.io()).error, None);
+    }
+    let outcome = cells.execute(&format!("%memfit\n{SPLIT_LOOP}"), shown.io());
+    assert_eq!(outcome.error, None);
+    let text = shown.last();
+    assert!(
+        text.contains("Use it:  const BATCH_SIZE: i64 = 99; (in cell [1])"),
+        "{text}"
+    );
+    let trials: Vec<&String> = cells
+        .runner
+        .ran
+        .iter()
+        .filter(|code| code.contains("tchmem::compare::begin"))
+        .collect();
+    assert!(!trials.is_empty());
+    for trial in trials {
+        // A fresh optimizer from cell [2] and the model's store kept and put back.
+        assert!(
+            trial.contains("// from cell [2]\nlet mut opt = nn::Adam::default()"),
+            "{trial}"
+        );
+        assert!(trial.contains("tchmem::keep::keep(&vs)"), "{trial}");
+    }
+    // Nothing of the session changed: the loop's own cell binds nothing new.
+    let shown = Shown::default();
+    let outcome = cells.execute(
+        &format!("%%optimize --show --optimizer lion\n{SPLIT_LOOP}"),
+        shown.io(),
+    );
+    assert_eq!(outcome.error, None);
+    let text = shown.last();
+    assert!(
+        text.contains("the optimizer `opt` is built in cell [2]"),
+        "{text}"
+    );
+    assert!(text.contains("tchmem::optim::Lion"), "{text}");
 }
 
 #[test]

@@ -12,6 +12,7 @@ use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::magics::CellMagicSource;
 use crate::report::fit::{verdict_of, LiveTable};
 use crate::rewrite::batch::{self, BatchBinding};
+use crate::rewrite::earlier::{Assembled, Wanted};
 use crate::rewrite::{self, Options, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, ErrorName};
 
@@ -32,13 +33,34 @@ pub(super) enum TrialError {
 /// The training cell a magic acts on, with its batch binding: the magic's own body, or the last
 /// training cell that ran.
 pub(super) struct TrainingCell {
+    /// The cell as the user wrote it.
     pub code: String,
     /// Line N of `code` is line N + `offset` of the magic's cell (0 for an earlier cell).
     pub offset: usize,
+    /// The cell with what trials take from earlier cells in front of it (the batch, a fresh
+    /// optimizer); trials run this, and `binding` is found in it.
+    pub assembled: Assembled,
     pub binding: BatchBinding,
     /// The optimizer's state rule; a cell whose optimizer is not recognised counts none (its
     /// state then lies on the calibration's line).
     pub rule: OptimizerRule,
+}
+
+impl TrainingCell {
+    /// The code that sets the batch to `value`, and the cell it is in when that is an earlier
+    /// one (`const BATCH_SIZE: i64 = 48; (in cell [2])`).
+    pub fn batch_code(&self, value: u64) -> String {
+        let written = self.binding.written(value);
+        let brought = self
+            .assembled
+            .rebuilt
+            .iter()
+            .find(|rebuilt| rebuilt.name == self.binding.name);
+        match brought {
+            Some(rebuilt) => format!("{written} (in cell [{}])", rebuilt.run),
+            None => written,
+        }
+    }
 }
 
 impl<R: Runner> Cells<R> {
@@ -64,29 +86,31 @@ impl<R: Runner> Cells<R> {
         } else {
             (source.body.to_string(), source.body_offset)
         };
+        let assembled = self.assemble(&code, Wanted::TRIAL);
         let refused = |refusal: Refusal| {
             CellError::new(
                 ErrorName::RewriteRefused,
                 format!(
                     "{magic} cannot vary this cell's batch: {}",
-                    refusal.shifted(offset)
+                    assembled.in_cell_terms(refusal).shifted(offset)
                 ),
             )
         };
-        let binding = batch::find(&code).map_err(refused)?;
-        if let Some(why) = compare_misleads(&code) {
+        let binding = batch::find(&assembled.code).map_err(refused)?;
+        if let Some(why) = compare_misleads(&code, &assembled.var_stores) {
             return Err(CellError::new(
                 ErrorName::RewriteRefused,
                 format!("{magic} runs the cell in trials: {why}"),
             ));
         }
-        let rule = rewrite::training_facts(&code)
+        let rule = rewrite::training_facts(&assembled.code)
             .optimizer
             .map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
         self.last_training_cell = Some(code.clone());
         Ok(TrainingCell {
             code,
             offset,
+            assembled,
             binding,
             rule,
         })
@@ -101,17 +125,20 @@ impl<R: Runner> Cells<R> {
         batch: u64,
         steps: u32,
     ) -> Result<Trial, TrialError> {
-        let sized = batch::replace(&cell.code, &cell.binding, batch);
+        let sized = batch::replace(&cell.assembled.code, &cell.binding, batch);
+        let refused = |refusal: Refusal| {
+            TrialError::Refused(cell.assembled.in_cell_terms(refusal).shifted(cell.offset))
+        };
         // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
         // loop as written goes through it too; if it will not mark them, the loop runs as is.
         let code = match rewrite::rewrite(&sized, options) {
             Ok(rewritten) => rewritten.code,
             Err(_) if options.is_empty() => sized,
-            Err(refusal) => return Err(TrialError::Refused(refusal.shifted(cell.offset))),
+            Err(refusal) => return Err(refused(refusal)),
         };
-        let instrumented = rewrite::instrument_for_compare(&code)
-            .map_err(|refusal| TrialError::Refused(refusal.shifted(cell.offset)))?;
-        let outcome = self.run_cell_code(&compare_cell(&instrumented, steps), CellIo::quiet());
+        let instrumented = rewrite::instrument_for_compare(&code).map_err(refused)?;
+        let run = compare_cell(&instrumented, steps, &cell.assembled.var_stores);
+        let outcome = self.run_cell_code(&run, CellIo::quiet());
         let result = match &outcome.error {
             Some(error) if error.stops_the_run() => {
                 return Err(TrialError::Stopped(Box::new(outcome)))

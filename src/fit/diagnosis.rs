@@ -217,7 +217,7 @@ fn fixes(
             if fewer < binding.value {
                 let batch = binding.value - fewer;
                 suggestions.push(Suggestion {
-                    line: format!("let {} = {batch};", binding.name),
+                    line: binding.written(batch),
                     saving: fewer * per_sample,
                     why: format!(
                         "{} of activations per sample at the failure (line {}); at least \
@@ -277,7 +277,7 @@ pub fn measured_fixes(
     }
     if let Some(batch) = (fits > 0).then_some(fits) {
         push(
-            format!("let {} = {batch};", binding.name),
+            binding.written(batch),
             predict(batch, 1, rule),
             "the largest batch predicted to fit (`%memfit` confirms it)".into(),
         );

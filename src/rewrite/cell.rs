@@ -297,6 +297,11 @@ struct Original {
 }
 
 impl Cell {
+    /// The text the cell has at `span` (a statement's own text, as the user wrote it).
+    pub(crate) fn text_at(&self, span: Span) -> &str {
+        self.text.get(span.byte_range()).unwrap_or("")
+    }
+
     fn originals(&self) -> Vec<Original> {
         let mut previous_end = 2; // after "{\n"
         let mut originals: Vec<Original> = Vec::new();

@@ -20,6 +20,7 @@ mod cell;
 mod change;
 mod checkpoint;
 mod compare;
+pub mod earlier;
 mod optimizer;
 mod phases;
 mod span;
