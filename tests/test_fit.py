@@ -111,8 +111,9 @@ def test_fit_magics_explain_mistakes_and_the_kernel_continues(kernel):
     assert reply["status"] == "error", reply
     assert reply["ename"] == "RewriteRefused"
     assert "integer literal" in reply["evalue"] and "line 4" in reply["evalue"], reply["evalue"]
-    # A VarStore from an earlier cell would be trained by the trials: refused.
-    reply, _ = execute(kc, "%memestimate\nlet batch = 4;\nfor _ in 0..2 { opt.backward_step(&loss); }")
+    # A model the kernel cannot follow to a VarStore (made here, or by an earlier cell) would be
+    # trained by each trial in turn: refused.
+    reply, _ = execute(kc, "%memestimate\nlet batch = 4;\nfor _ in 0..2 { unknown.backward_step(&loss); }")
     assert reply["status"] == "error" and "VarStore" in reply["evalue"], reply
     reply, _ = execute(kc, "%%optimize --fit 8GiB --amp bf16\n" + LOOP)
     assert reply["status"] == "error" and "--amp" in reply["evalue"], reply

@@ -141,7 +141,23 @@ def displayed(messages, mime):
 
 def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left_as_it_was(kernel):
     _, kc = kernel
-    for cell in (SPLIT_BATCH, SPLIT_MODEL, SPLIT_LOOP, "let before = weights(&vs);"):
+    parameters = (8 * 32 + 32 + 32 * 4 + 4) * 4
+    for cell in (SPLIT_BATCH, SPLIT_MODEL):
+        reply, _ = execute(kc, cell)
+        assert reply["status"] == "ok", (cell, reply)
+
+    # Before any loop, %memestimate alone answers with the model's exact terms.
+    reply, messages = execute(kc, "%memestimate")
+    assert reply["status"] == "ok", reply
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
+    assert estimate["parameters"] == estimate["gradients"] == parameters, estimate
+    # Adam: two f32 moments per element and a 4-byte step per tensor.
+    assert estimate["optimizer_state"] == 2 * parameters + 4 * 4, estimate
+    assert "`vs`" in estimate["what"] and "optimizer `opt` (Adam" in estimate["what"], estimate
+    reply, _ = execute(kc, "%memestimate --batch 64")
+    assert reply["status"] == "error" and "--batch need a training cell" in reply["evalue"], reply
+
+    for cell in (SPLIT_LOOP, "let before = weights(&vs);"):
         reply, _ = execute(kc, cell)
         assert reply["status"] == "ok", (cell, reply)
 
@@ -165,7 +181,6 @@ def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left
     assert reply["status"] == "ok", reply
     (estimate,) = displayed(messages, ESTIMATE_MIME)
     assert "BATCH_SIZE = 16" in estimate["what"] and "Adam" in estimate["what"], estimate
-    parameters = (8 * 32 + 32 + 32 * 4 + 4) * 4
     assert estimate["parameters"] == parameters, estimate
     reply, messages = execute(kc, "weights(&vs) == before")
     assert result_text(messages) == "true"

@@ -6,7 +6,8 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 pub use tchmem_wire::estimate::{
-    tensor_bytes, DeviceRoom, OptimizerRule, ParamShape, DEVICE_ROOM_MIME,
+    tensor_bytes, DeviceRoom, ModelShapes, OptimizerRule, ParamShape, DEVICE_ROOM_MIME,
+    MODEL_SHAPES_MIME,
 };
 
 /// The shape and element size of a tensor.
@@ -41,6 +42,39 @@ pub(crate) fn watched_shapes(existing: &std::collections::HashSet<usize>) -> Vec
         }
     });
     shapes
+}
+
+/// The variables of `stores` (a model's VarStores): what `%memestimate` counts before any
+/// training loop has run. Shown to the kernel as [`MODEL_SHAPES_MIME`].
+pub fn model(stores: &[&VarStore]) -> Model {
+    let mut shapes = ModelShapes::default();
+    for store in stores {
+        shapes.cuda |= store.device().is_cuda();
+        let trainable = store.trainable_variables();
+        let addresses: std::collections::HashSet<usize> = trainable
+            .iter()
+            .map(|tensor| tensor.data_ptr() as usize)
+            .collect();
+        shapes.trainable.extend(trainable.iter().map(shape));
+        shapes.frozen_bytes += store
+            .variables()
+            .values()
+            .filter(|tensor| !addresses.contains(&(tensor.data_ptr() as usize)))
+            .map(|tensor| tensor.numel() as u64 * tensor.kind().elt_size_in_bytes() as u64)
+            .sum::<u64>();
+    }
+    Model(shapes)
+}
+
+/// A model's variables, shown as [`MODEL_SHAPES_MIME`].
+pub struct Model(pub ModelShapes);
+
+impl Model {
+    /// evcxr's hook for showing a cell's value.
+    pub fn evcxr_display(&self) {
+        let json = serde_json::to_string(&self.0).unwrap_or_default();
+        println!("EVCXR_BEGIN_CONTENT {MODEL_SHAPES_MIME}\n{json}\nEVCXR_END_CONTENT");
+    }
 }
 
 /// The device's room now: what `%memestimate`, `%memfit` and `%%optimize --fit` fit into.

@@ -28,6 +28,12 @@ impl<R: Runner> Cells<R> {
         source: &CellMagicSource<'_>,
         io: CellIo,
     ) -> CellOutcome {
+        // Alone, after a model newer than any training cell: that model's terms.
+        if source.body.trim().is_empty() && self.model_is_newer_than_training() {
+            if let Some(outcome) = self.estimate_model(request, &io) {
+                return outcome;
+            }
+        }
         let cell = match self.training_cell(source, "%memestimate") {
             Ok(cell) => cell,
             Err(error) => return fail(error),

@@ -3,6 +3,7 @@
 //! the runner, so all of it is tested over a fake one (see `tests`); knows nothing of evcxr.
 
 mod auto_watch;
+mod estimate_model;
 mod fit;
 mod memprofile;
 mod oom;
@@ -47,7 +48,7 @@ pub struct Cells<R> {
     timelines: Timelines,
     /// The last cell with a training step that ran (failed ones too): what `%memestimate` and
     /// `%memfit` act on when they are alone in their cell.
-    last_training_cell: Option<String>,
+    last_training_cell: Option<(usize, String)>,
     /// The code of every cell that compiled, in order: where magics follow a name back to the
     /// cell that defined it.
     history: Vec<EarlierCell>,
@@ -177,7 +178,7 @@ impl<R: Runner> Cells<R> {
         let code = code.as_str();
         // A cheap test first: every training step the rewriter knows calls `backward`.
         if code.contains("backward") && rewrite::training_facts(code).trains {
-            self.last_training_cell = Some(code.to_string());
+            self.last_training_cell = Some((self.runs, code.to_string()));
         }
         let mut outcome = if code.trim().is_empty() {
             CellOutcome::default()

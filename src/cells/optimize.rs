@@ -165,7 +165,7 @@ impl<R: Runner> Cells<R> {
         source: &CellMagicSource<'_>,
         io: CellIo,
     ) -> CellOutcome {
-        self.last_training_cell = Some(source.body.to_string());
+        self.last_training_cell = Some((self.runs, source.body.to_string()));
         if let Some(target) = request.fit {
             return self.optimize_fit(target, request, source, io);
         }
@@ -187,8 +187,7 @@ impl<R: Runner> Cells<R> {
                 ))
             }
         };
-        let brought = assembled.notes().into_iter().map(Change::general);
-        rewritten.changes.splice(0..0, brought);
+        rewritten.changes = assembled.cell_changes(rewritten.changes);
         let flags = request.options.flags();
         (io.output)(CellOutput::Display(code_display(
             &flags,

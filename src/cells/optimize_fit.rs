@@ -242,8 +242,7 @@ impl<R: Runner> Cells<R> {
                 ))
             }
         };
-        let brought = assembled.notes().into_iter().map(rewrite::Change::general);
-        rewritten.changes.splice(0..0, brought);
+        rewritten.changes = assembled.cell_changes(rewritten.changes);
         (io.output)(CellOutput::Display(code_display(
             &winner.flags(),
             &rewritten.code,

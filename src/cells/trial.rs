@@ -72,7 +72,7 @@ impl<R: Runner> Cells<R> {
     ) -> Result<TrainingCell, CellError> {
         let (code, offset) = if source.body.trim().is_empty() {
             match &self.last_training_cell {
-                Some(code) => (code.clone(), 0),
+                Some((_, code)) => (code.clone(), 0),
                 None => {
                     return Err(CellError::new(
                         ErrorName::NoTrainingCell,
@@ -106,7 +106,7 @@ impl<R: Runner> Cells<R> {
         let rule = rewrite::training_facts(&assembled.code)
             .optimizer
             .map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
-        self.last_training_cell = Some(code.clone());
+        self.last_training_cell = Some((self.runs, code.clone()));
         Ok(TrainingCell {
             code,
             offset,

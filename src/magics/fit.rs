@@ -13,15 +13,22 @@ use crate::rewrite::{OptimizerChoice, Options};
 /// gradients and optimizer state exactly, activations from two short trials at small batch
 /// sizes, drawn against the device's capacity.
 ///
-/// The cell must bind its batch size as an integer literal to a name with `batch` in it
-/// (`let batch_size: i64 = 16;`) and create its VarStore (the trials train fresh weights).
+/// The batch is a literal bound to a name with `batch` in it (`let batch_size: i64 = 16;`, or
+/// `const BATCH_SIZE: i64 = 16;` in an earlier cell), else the literal of `train_iter(N)` or
+/// of the shapes of data made in the loop. A model, optimizer or batch const made in an earlier
+/// cell is followed back to it: the trials step a fresh optimizer rebuilt from its cell, and
+/// the model's weights and gradients are put back after each.
+///
+/// Alone in a cell before the model's training loop ran, it gives the exact terms of the model
+/// and optimizer earlier cells built (parameters, gradients, optimizer state, CUDA context) and
+/// what they leave of the device.
 #[derive(Parser, Debug)]
 #[command(
     name = "%memestimate",
     no_binary_name = true,
     disable_version_flag = true,
-    after_help = "Examples:\n  %memestimate --batch 64\n  %memestimate --batch 64 --amp bf16 \
-                  --checkpoint --accumulate 4 --check"
+    after_help = "Examples:\n  %memestimate\n  %memestimate --batch 64\n  %memestimate --batch 64 \
+                  --amp bf16 --checkpoint --accumulate 4 --check"
 )]
 pub struct EstimateArgs {
     /// The batch size to predict (default: the cell's own).

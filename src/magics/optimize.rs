@@ -80,6 +80,11 @@ fn parse_fit_target(text: &str) -> Result<FitTarget, String> {
 /// the forward pass, the loss and `opt.backward_step(&loss)` (or `loss.backward(); opt.step()`
 /// with `opt.zero_grad()`). When the cell does not match what a rewrite needs, nothing runs and
 /// the message says what was looked for and where.
+///
+/// A model, optimizer or batch const made in an earlier cell is followed back to the cell that
+/// made it. `--optimizer` rebuilds an optimizer of an earlier cell as the new one (shown in the
+/// code, with its cell); `--compare` runs both versions from the notebook's weights with a
+/// fresh optimizer each and puts the model back as it was afterwards (weights, gradients).
 #[derive(Parser, Debug)]
 #[command(
     name = "%%optimize",

@@ -535,6 +535,85 @@ pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
     display
 }
 
+/// The terms `%memestimate` knows before any training loop: a model and its optimizer.
+pub struct ModelTerms<'a> {
+    /// What the terms are of ("the model in `vs` (cell [2]), Adam `opt` (cell [2])").
+    pub what: &'a str,
+    /// The trainable parameters, their gradients and the optimizer's state.
+    pub fixed: Fixed,
+    /// Frozen variables: held, with no gradient or state.
+    pub frozen: u64,
+    /// The optimizer rule's name, for its line (`None`: no optimizer built yet).
+    pub rule: Option<&'a str>,
+    /// The CUDA context beside the allocator, and the device's memory (`None` on CPU).
+    pub device: Option<(u64, u64)>,
+}
+
+/// `%memestimate` before a training loop: the exact terms, what they leave of the device, and
+/// what the rest needs.
+pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
+    let fixed = &terms.fixed;
+    let mut lines = vec![
+        format!("%memestimate before any training loop: {}", terms.what),
+        format!(
+            "  parameters       {:>10}   the stores' variables{}",
+            human_bytes(fixed.parameters + terms.frozen),
+            if terms.frozen > 0 {
+                format!(" ({} of them frozen)", human_bytes(terms.frozen))
+            } else {
+                String::new()
+            }
+        ),
+        format!(
+            "  gradients        {:>10}   one per trainable parameter, made by the first backward",
+            human_bytes(fixed.gradients)
+        ),
+        format!(
+            "  optimizer state  {:>10}   {}",
+            human_bytes(fixed.optimizer_state),
+            match terms.rule {
+                Some(rule) => format!("{rule}'s rule, made by the first step"),
+                None => "no optimizer built yet (`--optimizer NAME` counts one)".into(),
+            }
+        ),
+    ];
+    let total = fixed.total() + terms.frozen + terms.device.map_or(0, |(context, _)| context);
+    if let Some((context, _)) = terms.device {
+        lines.push(format!(
+            "  CUDA context     {:>10}   measured (this process on the device, less the allocator)",
+            human_bytes(context)
+        ));
+    }
+    lines.push(format!("  total            {:>10}", human_bytes(total)));
+    match terms.device {
+        Some((_, device)) => lines.push(format!(
+            "Of the device's {}, {} is left for the activations, the input batch and the \
+             allocator's cache.",
+            human_bytes(device),
+            human_bytes(device.saturating_sub(total))
+        )),
+        None => lines.push("No CUDA device here: the terms are the model's, on the host.".into()),
+    }
+    lines.push(
+        "The rest depends on the loop: run the training cell, then `%memestimate` alone (or on \
+         the cell's first line) for a peak calibrated by short trials, at any `--batch N`."
+            .into(),
+    );
+    let mut display = crate::report::text_display(lines.join("\n"));
+    display.data.insert(
+        ESTIMATE_MIME.into(),
+        json!({
+            "what": terms.what,
+            "parameters": fixed.parameters + terms.frozen,
+            "gradients": fixed.gradients,
+            "optimizer_state": fixed.optimizer_state,
+            "context": terms.device.map(|(context, _)| context),
+            "device": terms.device.map(|(_, device)| device),
+        }),
+    );
+    display
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,5 +664,41 @@ mod tests {
         assert!(html.contains("<svg"));
         assert_eq!(display.data[ESTIMATE_MIME]["fits"], true);
         assert_eq!(verdict(3, 2).split(':').next(), Some("does not fit"));
+    }
+
+    #[test]
+    fn the_model_terms_say_what_is_left_and_what_the_rest_needs() {
+        let fixed = Fixed {
+            parameters: 1 << 30,
+            gradients: 1 << 30,
+            optimizer_state: 2 << 30,
+        };
+        let terms = ModelTerms {
+            what: "the model in `vs` (cell [2])",
+            fixed,
+            frozen: 1 << 20,
+            rule: Some("Adam"),
+            device: Some((512 << 20, 80 << 30)),
+        };
+        let display = model_terms_display(&terms);
+        let text = display.data["text/plain"].as_str().unwrap();
+        assert!(text.contains("(1.0 MiB of them frozen)"), "{text}");
+        assert!(text.contains("Adam's rule"), "{text}");
+        assert!(text.contains("CUDA context"), "{text}");
+        // 4 GiB + 1 MiB + 512 MiB of 80 GiB.
+        assert!(text.contains("75.5 GiB is left"), "{text}");
+        let json = &display.data[ESTIMATE_MIME];
+        assert_eq!(json["parameters"], (1u64 << 30) + (1 << 20));
+        let cpu = model_terms_display(&ModelTerms {
+            rule: None,
+            device: None,
+            ..terms
+        });
+        let text = cpu.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("No CUDA device") && text.contains("--optimizer NAME"),
+            "{text}"
+        );
+        assert!(!text.contains("CUDA context"), "{text}");
     }
 }

@@ -21,10 +21,11 @@ use syn::{Expr, Item, Stmt};
 
 use super::cell;
 use super::optimizer;
-use super::syntax::walk_tokens;
+use super::syntax::{as_ref_ident, walk_tokens};
 use super::tree::Tree;
-use super::Refusal;
+use super::{rule_of, Change, Refusal};
 use crate::cell_syntax;
+use tchmem_wire::estimate::OptimizerRule;
 
 /// A cell that ran before, as the kernel kept it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,25 +131,44 @@ impl Assembled {
                     rebuilt.name, rebuilt.run
                 ),
                 Brought::Optimizer => format!(
-                    "the optimizer `{}` is built in cell [{}]: rebuilt from that cell's code, \
-                     so that the runs step a fresh one",
+                    "the optimizer `{}` is built in cell [{}]: rebuilt here from that cell's \
+                     statement",
                     rebuilt.name, rebuilt.run
                 ),
             })
             .collect()
     }
+
+    /// A rewrite's `changes` (lines of `code`) in the cell's terms, after the notes on what
+    /// was brought in: a change to a line of the cell moves up by the prelude; one to a
+    /// statement brought in names the cell it came from.
+    pub fn cell_changes(&self, changes: Vec<Change>) -> Vec<Change> {
+        let mut out: Vec<Change> = self.notes().into_iter().map(Change::general).collect();
+        for change in changes {
+            let lines = change.lines;
+            let moved = match lines {
+                Some((first, last)) if first > self.prelude_lines => Change::over(
+                    (first - self.prelude_lines, last - self.prelude_lines),
+                    change.what,
+                ),
+                Some((first, _)) => match self.rebuilt_at(first) {
+                    Some(rebuilt) => Change::general(format!(
+                        "`{}` (from cell [{}]): {}",
+                        rebuilt.name, rebuilt.run, change.what
+                    )),
+                    None => Change::general(change.what),
+                },
+                None => change,
+            };
+            out.push(moved);
+        }
+        out
+    }
 }
 
 /// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it.
 pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assembled {
-    // The live definition of each name: the newest cell's, and in a cell its last.
-    let mut live: HashMap<String, (usize, usize, Definition)> = HashMap::new();
-    for earlier in earlier.iter().rev() {
-        for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
-            live.entry(definition.name.clone())
-                .or_insert((earlier.run, index, definition));
-        }
-    }
+    let live = live_definitions(earlier);
     let bound = bound_names(cell);
     let direct: Vec<String> = names_in(&rust_tokens(cell))
         .into_iter()
@@ -213,6 +233,81 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
     }
 }
 
+/// The live definition of each name the cells bound at their top level: the newest cell's, and
+/// in a cell its last; with the cell and the statement's index in it.
+fn live_definitions(earlier: &[EarlierCell]) -> HashMap<String, (usize, usize, Definition)> {
+    let mut live: HashMap<String, (usize, usize, Definition)> = HashMap::new();
+    for earlier in earlier.iter().rev() {
+        for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
+            live.entry(definition.name.clone())
+                .or_insert((earlier.run, index, definition));
+        }
+    }
+    live
+}
+
+/// The model the notebook holds now, as earlier cells made it (what `%memestimate` counts
+/// before any training loop ran).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveModel {
+    /// Its VarStores and the cells that made them: the one the optimizer is built on, else
+    /// every live one.
+    pub stores: Vec<(String, usize)>,
+    /// The optimizer built on it, if one is.
+    pub optimizer: Option<LiveOptimizer>,
+}
+
+/// An optimizer an earlier cell built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveOptimizer {
+    /// Its variable.
+    pub name: String,
+    /// The cell that built it.
+    pub run: usize,
+    /// Its type's name and state rule, when the kernel knows them.
+    pub rule: Option<(String, OptimizerRule)>,
+}
+
+/// The model the earlier cells left, `None` when no VarStore of theirs is live.
+pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
+    let live = live_definitions(earlier);
+    let mut stores: Vec<(String, usize)> = live
+        .iter()
+        .filter(|(_, (_, _, d))| matches!(d.what, Some(Defined::VarStore)))
+        .map(|(name, (run, _, _))| (name.clone(), *run))
+        .collect();
+    stores.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+    if stores.is_empty() {
+        return None;
+    }
+    // The newest optimizer built on a live store.
+    let optimizer = live
+        .iter()
+        .filter_map(|(name, (run, index, d))| {
+            let built = d.optimizer.as_ref()?;
+            let store = built.store.as_ref()?;
+            stores.iter().any(|(s, _)| s == store).then(|| {
+                (
+                    (*run, *index),
+                    store.clone(),
+                    LiveOptimizer {
+                        name: name.clone(),
+                        run: *run,
+                        rule: built.rule.clone(),
+                    },
+                )
+            })
+        })
+        .max_by_key(|(at, _, _)| *at);
+    if let Some((_, store, _)) = &optimizer {
+        stores.retain(|(s, _)| s == store);
+    }
+    Some(LiveModel {
+        stores,
+        optimizer: optimizer.map(|(_, _, o)| o),
+    })
+}
+
 /// What a top-level definition of an earlier cell is, when it matters to a trial.
 enum Defined {
     Brought(Brought),
@@ -223,9 +318,18 @@ enum Defined {
 struct Definition {
     name: String,
     what: Option<Defined>,
+    /// For an optimizer: the store it is built on and its rule.
+    optimizer: Option<Built>,
     code: String,
     /// The identifiers in its statement.
     uses: HashSet<String>,
+}
+
+/// An optimizer's build in an earlier cell.
+struct Built {
+    /// `vs` of `.build(&vs, ..)`.
+    store: Option<String>,
+    rule: Option<(String, OptimizerRule)>,
 }
 
 /// The top-level bindings of `code` (a `let` of one name, a `const`, a `static`).
@@ -239,10 +343,16 @@ fn definitions(code: &str) -> Vec<Definition> {
         .map(|binding| binding.name)
         .collect();
     let tree = Tree::of(&parsed.block);
-    let optimizers: HashSet<usize> = optimizer::builds(&tree)
+    let mut optimizers: HashMap<usize, Built> = optimizer::builds(&tree)
         .into_iter()
         .filter(|build| build.block == 0 && build.binding.is_some())
-        .map(|build| build.index)
+        .map(|build| {
+            let built = Built {
+                store: as_ref_ident(&build.vs).map(|ident| ident.to_string()),
+                rule: rule_of(&build.config),
+            };
+            (build.index, built)
+        })
         .collect();
     let mut out = Vec::new();
     for (index, stmt) in parsed.block.stmts.iter().enumerate() {
@@ -259,7 +369,7 @@ fn definitions(code: &str) -> Vec<Definition> {
         };
         let what = if stores.contains(&name) {
             Some(Defined::VarStore)
-        } else if optimizers.contains(&index) {
+        } else if optimizers.contains_key(&index) {
             Some(Defined::Brought(Brought::Optimizer))
         } else if name.to_lowercase().contains("batch") && init.is_some_and(is_int_literal) {
             Some(Defined::Brought(Brought::BatchSize))
@@ -269,6 +379,7 @@ fn definitions(code: &str) -> Vec<Definition> {
         out.push(Definition {
             name,
             what,
+            optimizer: optimizers.remove(&index),
             code: parsed
                 .text_at(syn::spanned::Spanned::span(stmt))
                 .to_string(),
@@ -394,6 +505,17 @@ mod tests {
             (None, "no (`opt`, brought from cell [2])")
         );
 
+        // A rewrite's changes in the cell's lines; one to a brought statement names its cell.
+        let changes = assembled.cell_changes(vec![
+            Change::at(4, "swapped"),
+            Change::over((6, 7), "marked"),
+            Change::general("note"),
+        ]);
+        let text: Vec<String> = changes.iter().map(ToString::to_string).collect();
+        assert_eq!(text.len(), 5);
+        assert_eq!(text[2], "`opt` (from cell [2]): swapped");
+        assert_eq!(text[3..], ["lines 2–3: marked", "note"]);
+
         // Only what is wanted: a real run swapping nothing brings nothing.
         let none = assemble(
             LOOP,
@@ -404,6 +526,28 @@ mod tests {
             },
         );
         assert_eq!((none.code.as_str(), none.prelude_lines), (LOOP, 0));
+    }
+
+    #[test]
+    fn the_live_model_is_the_store_its_optimizer_is_built_on() {
+        let model = live_model(&cells(&[
+            "let critic = nn::VarStore::new(Device::Cpu);",
+            MODEL,
+        ]))
+        .unwrap();
+        assert_eq!(model.stores, vec![("vs".to_string(), 2)]);
+        let optimizer = model.optimizer.unwrap();
+        assert_eq!((optimizer.name.as_str(), optimizer.run), ("opt", 2));
+        assert_eq!(optimizer.rule, Some(("Adam".into(), OptimizerRule::Adam)));
+        // No optimizer yet: every live store.
+        let model = live_model(&cells(&[
+            "let critic = nn::VarStore::new(Device::Cpu);",
+            "let vs = nn::VarStore::new(Device::Cpu);",
+        ]))
+        .unwrap();
+        assert_eq!(model.stores.len(), 2);
+        assert_eq!(model.optimizer, None);
+        assert_eq!(live_model(&cells(&["let x = 1;"])), None);
     }
 
     #[test]

@@ -283,3 +283,17 @@ mod tests {
         );
     }
 }
+
+/// The MIME type of a [`ModelShapes`] in a cell's outputs (`tchmem::estimate::model(..)`).
+pub const MODEL_SHAPES_MIME: &str = "application/vnd.tchmem.model-shapes+json";
+
+/// The variables of a model's stores: what `%memestimate` counts before any training loop.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelShapes {
+    /// The trainable variables (each gets a gradient and optimizer state).
+    pub trainable: Vec<ParamShape>,
+    /// Bytes of the frozen variables (held, but no gradient and no state).
+    pub frozen_bytes: u64,
+    /// Whether the stores are on a CUDA device.
+    pub cuda: bool,
+}

@@ -1,0 +1,140 @@
+//! `%memestimate` before any training loop: "will this model train here?" answered from the
+//! model and optimizer earlier cells built, with the exact terms (parameters, gradients,
+//! optimizer state by its rule, the CUDA context), and what the rest needs.
+
+use tchmem_wire::estimate::{ModelShapes, OptimizerRule, MODEL_SHAPES_MIME};
+
+use super::{fail, Cells, Runner};
+use crate::fit::estimate::Fixed;
+use crate::magics::fit::EstimateRequest;
+use crate::report::fit::{model_terms_display, ModelTerms};
+use crate::rewrite::earlier::{self, LiveModel};
+use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName};
+
+/// What the terms are of, in words.
+fn model_words(model: &LiveModel, rule: Option<&str>) -> String {
+    let stores: Vec<String> = model
+        .stores
+        .iter()
+        .map(|(name, run)| format!("`{name}` (cell [{run}])"))
+        .collect();
+    let mut what = format!("the model in {}", stores.join(" and "));
+    match (&model.optimizer, rule) {
+        (Some(optimizer), Some(rule)) => what.push_str(&format!(
+            ", optimizer `{}` ({rule}, cell [{}])",
+            optimizer.name, optimizer.run
+        )),
+        (None, Some(rule)) => what.push_str(&format!(", with {rule}")),
+        _ => {}
+    }
+    what
+}
+
+impl<R: Runner> Cells<R> {
+    /// Whether earlier cells built a model (a VarStore, or its optimizer) after the last
+    /// training cell ran, or no training cell ran: `%memestimate` alone is then about it.
+    pub(super) fn model_is_newer_than_training(&self) -> bool {
+        let Some(model) = earlier::live_model(&self.history) else {
+            return false;
+        };
+        let made = model
+            .stores
+            .iter()
+            .map(|(_, run)| *run)
+            .chain(model.optimizer.as_ref().map(|o| o.run))
+            .max()
+            .unwrap_or(0);
+        self.last_training_cell
+            .as_ref()
+            .is_none_or(|(trained, _)| made > *trained)
+    }
+
+    /// `%memestimate` alone in a cell before the model's training loop ran: the model's terms,
+    /// or `None` when earlier cells made no model.
+    pub(super) fn estimate_model(
+        &mut self,
+        request: &EstimateRequest,
+        io: &CellIo,
+    ) -> Option<CellOutcome> {
+        let model = earlier::live_model(&self.history)?;
+        let built = model.optimizer.as_ref().and_then(|o| o.rule.as_ref());
+        let rule = match request.optimizer.map(|choice| choice.rule()) {
+            Some(rule) => Some(rule),
+            None => built.map(|(_, rule)| *rule),
+        };
+        let rule_name = rule.map(|rule| rule.label().to_string());
+        let rule = match (rule, &model.optimizer) {
+            (Some(rule), _) => rule,
+            (None, Some(optimizer)) => {
+                return Some(fail(CellError::new(
+                    ErrorName::EstimateFailed,
+                    format!(
+                        "%memestimate does not know the state rule of the optimizer `{}` (cell \
+                         [{}]); say which to count with --optimizer (sgd, lion, adamw8bit, \
+                         adafactor), or run a training cell and put %memestimate on it",
+                        optimizer.name, optimizer.run
+                    ),
+                )))
+            }
+            // No optimizer yet: no state to count.
+            (None, None) => OptimizerRule::Sgd { momentum: false },
+        };
+        let stores: Vec<String> = model
+            .stores
+            .iter()
+            .map(|(name, _)| format!("&{name}"))
+            .collect();
+        let code = format!("tchmem::estimate::model(&[{}])", stores.join(", "));
+        let outcome = self.run(&code, CellIo::quiet());
+        let shapes = outcome
+            .data
+            .get(MODEL_SHAPES_MIME)
+            .and_then(|json| serde_json::from_str::<ModelShapes>(json).ok());
+        let Some(shapes) = shapes else {
+            let why = outcome
+                .error
+                .map_or_else(|| "no answer".to_string(), |error| error.evalue);
+            return Some(fail(CellError::new(
+                ErrorName::EstimateFailed,
+                format!(
+                    "%memestimate could not read the model's variables ({}): {why}",
+                    stores.join(", ")
+                ),
+            )));
+        };
+        let room = if shapes.cuda {
+            self.device_room()
+        } else {
+            None
+        };
+        let what = model_words(&model, rule_name.as_deref());
+        let terms = ModelTerms {
+            what: &what,
+            fixed: Fixed::of(&shapes.trainable, &rule),
+            frozen: shapes.frozen_bytes,
+            rule: rule_name.as_deref(),
+            device: room.map(|room| (room.context.unwrap_or(0), room.total)),
+        };
+        (io.output)(CellOutput::Display(model_terms_display(&terms)));
+        let ignored: Vec<&str> = [
+            (request.batch.is_some(), "--batch"),
+            (request.accumulate.is_some(), "--accumulate"),
+            (request.check, "--check"),
+            (!request.calibrated.is_empty(), "--checkpoint/--amp"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+        if !ignored.is_empty() {
+            return Some(fail(CellError::new(
+                ErrorName::NoTrainingCell,
+                format!(
+                    "{} need a training cell (they act on its loop): the model's terms are \
+                     above; run the training cell, then %memestimate with them",
+                    ignored.join(", ")
+                ),
+            )));
+        }
+        Some(CellOutcome::default())
+    }
+}
