@@ -590,3 +590,67 @@ fn fused_adamw_keeps_two_moments_and_a_step_per_parameter() {
     );
     assert_eq!(opt.name(), "AdamW");
 }
+
+/// min-gpt's groups: weights in group 1 (decayed), the bias in group 0 (not), built with
+/// `nn::Path::set_group`; the loss of a linear regression through them.
+fn grouped_problem() -> (nn::VarStore, impl Fn() -> Tensor) {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(CPU);
+    let w = vs.root().set_group(1).randn("w", &[64, 32], 0.0, 0.1);
+    let b = vs.root().set_group(0).randn("b", &[32], 0.0, 0.1);
+    let x = Tensor::randn([128, 64], (Kind::Float, CPU));
+    let y = Tensor::randn([128, 32], (Kind::Float, CPU));
+    (vs, move || {
+        (x.matmul(&w) + &b - &y).square().mean(Kind::Float)
+    })
+}
+
+#[test]
+fn parameter_groups_take_their_own_weight_decay_and_learning_rate_as_in_tch() {
+    use tch::nn::OptimizerConfig;
+    let (reference, reference_loss) = grouped_problem();
+    let (ours, our_loss) = grouped_problem();
+    let mut a = nn::AdamW::default().build(&reference, 1e-2).unwrap();
+    let mut b = AdamW::default().build(&ours, 1e-2).unwrap();
+    a.set_weight_decay_group(0, 0.0);
+    a.set_weight_decay_group(1, 0.5);
+    a.set_lr_group(1, 3e-2);
+    b.set_weight_decay_group(0, 0.0);
+    b.set_weight_decay_group(1, 0.5);
+    b.set_lr_group(1, 3e-2);
+    for _ in 0..5 {
+        a.backward_step(&reference_loss());
+        b.backward_step(&our_loss());
+    }
+    let theirs = reference.variables();
+    for (name, p) in ours.variables() {
+        let difference = (&p - &theirs[&name]).abs().max().double_value(&[]);
+        assert!(
+            difference <= 1e-6,
+            "{name} differs from tch's by {difference}"
+        );
+    }
+
+    // The no-decay group is not decayed: Lion with decay on group 1 only moves the bias as
+    // Lion without decay does, and the weights differently.
+    let lion = |decay_group: Option<f64>| {
+        let (vs, loss) = grouped_problem();
+        let mut opt = Lion {
+            wd: 0.0,
+            ..Default::default()
+        }
+        .build(&vs, 1e-2)
+        .unwrap();
+        if let Some(wd) = decay_group {
+            opt.set_weight_decay(wd);
+            opt.set_weight_decay_group(0, 0.0);
+        }
+        for _ in 0..3 {
+            opt.backward_step(&loss());
+        }
+        vs.variables()
+    };
+    let (plain, grouped) = (lion(None), lion(Some(1.0)));
+    assert!(plain["b"].equal(&grouped["b"]));
+    assert!(!plain["w"].equal(&grouped["w"]));
+}

@@ -18,13 +18,16 @@ const NN_CONFIGS: [&str; 4] = ["Adam", "AdamW", "Sgd", "RmsProp"];
 /// tch's functions that make one (`nn::adam(β1, β2, wd)`, …).
 const NN_CONFIG_FNS: [&str; 4] = ["adam", "adamw", "sgd", "rms_prop"];
 /// Methods of tch's `nn::Optimizer` that `tchmem::optim::Optimizer` has too.
-const SHARED_METHODS: [&str; 11] = [
+const SHARED_METHODS: [&str; 14] = [
     "backward_step",
     "backward_step_clip",
     "backward_step_clip_norm",
     "step",
     "zero_grad",
     "set_lr",
+    "set_lr_group",
+    "set_weight_decay",
+    "set_weight_decay_group",
     "clip_grad_value",
     "clip_grad_norm",
     // Generic methods every value has, and ones the rewrites themselves use.

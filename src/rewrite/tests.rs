@@ -381,6 +381,17 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
     let refused = refusal(&src, "--optimizer lion");
     assert!(refused.message.contains("opt.set_momentum"), "{refused}");
     assert_eq!(refused.line, Some(29));
+    // Parameter groups (min-gpt's no-decay group) are kept: tchmem's optimizers have them.
+    let src = format!(
+        "{}\nopt.set_weight_decay_group(0, 0.0);\nopt.set_lr_group(1, 1e-4);\n",
+        reference("mlp")
+    );
+    let swapped = rewrite_cell(&src, &options("--optimizer lion")).unwrap();
+    assert!(
+        swapped.code.contains("opt.set_weight_decay_group(0, 0.0);"),
+        "{}",
+        swapped.code
+    );
     // Not Rust; the line moves with the body's place in the cell.
     let refused = refusal("let x = ;\n", "--amp bf16");
     assert_eq!(refused.line, Some(1));
@@ -521,7 +532,7 @@ fn rewrite_amp_moves_adam_to_the_fused_one_with_its_settings() {
     );
     // A method tchmem's optimizer lacks keeps tch's, with a note saying why.
     let kept = rewrite_ok(
-        &cell("nn::Adam::default()", "opt.set_lr_group(0, 1e-4);\n"),
+        &cell("nn::Adam::default()", "opt.set_momentum(0.5);\n"),
         "--amp bf16",
     );
     assert!(
@@ -532,7 +543,7 @@ fn rewrite_amp_moves_adam_to_the_fused_one_with_its_settings() {
     assert!(
         kept.changes
             .iter()
-            .any(|c| c.what.contains("kept tch's optimizer") && c.what.contains("opt.set_lr_group")),
+            .any(|c| c.what.contains("kept tch's optimizer") && c.what.contains("opt.set_momentum")),
         "{:?}",
         kept.changes
     );

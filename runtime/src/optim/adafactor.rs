@@ -3,7 +3,7 @@
 
 use tch::{nn, Kind, TchError, Tensor};
 
-use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Optimizer};
+use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Hyper, Optimizer};
 
 /// Adafactor: Adam-like scaling whose second moment of a matrix is kept as its row and column
 /// means (rank-1 factored), so it costs `rows + cols` instead of `rows × cols`.
@@ -115,12 +115,13 @@ fn rms(x: &Tensor) -> Tensor {
 }
 
 impl Algorithm for AdafactorState {
-    fn update(&mut self, params: &[Tensor], lr: f64) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
         let c = self.config;
         grow(&mut self.params, params.len());
         tch::no_grad(|| {
-            for (p, state) in params.iter().zip(&mut self.params) {
+            for ((p, state), h) in params.iter().zip(&mut self.params).zip(hyper) {
                 let Some(g) = grad_f32(p) else { continue };
+                let lr = h.lr;
                 let state = state.get_or_insert_with(|| {
                     let shape = p.size();
                     let second = if shape.len() >= 2 {
@@ -178,7 +179,7 @@ impl Algorithm for AdafactorState {
                     update = m.shallow_clone();
                 }
                 let mut p = p.shallow_clone();
-                decay(&mut p, step_size, c.wd);
+                decay(&mut p, step_size, h.wd_or(c.wd));
                 let _ = p.g_sub_(&update);
             }
         })

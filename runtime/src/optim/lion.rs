@@ -2,7 +2,7 @@
 
 use tch::{nn, Kind, TchError, Tensor};
 
-use super::{bytes, check, decay, grad_f32, grow, Algorithm, Optimizer};
+use super::{bytes, check, decay, grad_f32, grow, Algorithm, Hyper, Optimizer};
 
 /// Lion: the update is the sign of an interpolation of momentum and gradient, so every element
 /// moves by exactly `lr`; weight decay is decoupled.
@@ -67,12 +67,13 @@ struct LionState {
 }
 
 impl Algorithm for LionState {
-    fn update(&mut self, params: &[Tensor], lr: f64) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
         let Lion { beta1, beta2, wd } = self.config;
         grow(&mut self.momenta, params.len());
         tch::no_grad(|| {
-            for (p, momentum) in params.iter().zip(&mut self.momenta) {
+            for ((p, momentum), h) in params.iter().zip(&mut self.momenta).zip(hyper) {
                 let Some(g) = grad_f32(p) else { continue };
+                let (lr, wd) = (h.lr, h.wd_or(wd));
                 let m = momentum.get_or_insert_with(|| p.zeros_like());
                 let direction = (m.to_kind(Kind::Float) * beta1 + &g * (1.0 - beta1)).sign();
                 let mut p = p.shallow_clone();

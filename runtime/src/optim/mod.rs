@@ -1,5 +1,7 @@
 //! Optimizers written over a VarStore's trainable variables, with tch's `nn::Optimizer` API
-//! (`backward_step`, `step`, `zero_grad`, `set_lr`, `clip_grad_norm`) and one addition:
+//! (`backward_step`, `step`, `zero_grad`, `set_lr`, `clip_grad_norm`, and the parameter groups of
+//! `set_lr_group` and `set_weight_decay_group`, which tch's `nn::Path::set_group` assigns) and
+//! one addition:
 //! [`Optimizer::state_bytes`], the exact bytes of the state they keep (tch's C++ optimizers hide
 //! theirs).
 //!
@@ -16,6 +18,7 @@
 //! kernels). All update in place under no-grad, on any device,
 //! for parameters of any float kind, and skip parameters that have no gradient.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use tch::{nn, COptimizer, Kind, TchError, Tensor};
@@ -55,18 +58,43 @@ impl Step for nn::Optimizer {
 /// `params` only grows between calls (variables added to the store later are appended), so an
 /// algorithm may keep its per-parameter state by index.
 pub trait Algorithm: Send {
-    /// Updates `params` in place (under no-grad) from their gradients at learning rate `lr`.
-    fn update(&mut self, params: &[Tensor], lr: f64);
+    /// Updates `params` in place (under no-grad) from their gradients, each with its group's
+    /// learning rate and weight decay (`hyper[i]` is `params[i]`'s).
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]);
     /// Bytes of the state tensors it keeps.
     fn state_bytes(&self) -> u64;
     /// A short name ("Lion", "AdamW8bit", …).
     fn name(&self) -> &'static str;
 }
 
+/// The learning rate and weight decay a parameter is updated with: its group's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hyper {
+    /// The learning rate.
+    pub lr: f64,
+    /// The weight decay set for the group (or all groups); `None`: the algorithm's configured one.
+    pub wd: Option<f64>,
+}
+
+impl Hyper {
+    /// The weight decay to apply: the group's, else `configured`.
+    pub fn wd_or(&self, configured: f64) -> f64 {
+        self.wd.unwrap_or(configured)
+    }
+}
+
 /// An optimizer over a VarStore's trainable variables, with tch's `nn::Optimizer` methods.
 pub struct Optimizer {
     variables: Arc<Mutex<nn::Variables>>,
     params: Vec<Tensor>,
+    /// Each parameter's group (`nn::Path::set_group`), by index in `params`.
+    groups: Vec<usize>,
+    /// Learning rates set for one group (`set_lr_group`); others use `lr`.
+    group_lr: BTreeMap<usize, f64>,
+    /// Weight decay set for every group (`set_weight_decay`).
+    wd: Option<f64>,
+    /// Weight decay set for one group (`set_weight_decay_group`).
+    group_wd: BTreeMap<usize, f64>,
     /// libtorch's own optimizer over the same parameters, never stepped (so it keeps no state):
     /// its `zero_grad` sets gradients to undefined, which tch offers no other way to do.
     grad_clearer: COptimizer,
@@ -96,6 +124,10 @@ impl Optimizer {
         let mut opt = Optimizer {
             variables: vs.variables_.clone(),
             params: Vec::new(),
+            groups: Vec::new(),
+            group_lr: BTreeMap::new(),
+            wd: None,
+            group_wd: BTreeMap::new(),
             grad_clearer: COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?,
             lr,
             algorithm,
@@ -112,6 +144,7 @@ impl Optimizer {
                 .add_parameters(&var.tensor, 0)
                 .expect("adding a parameter to libtorch's optimizer");
             self.params.push(var.tensor.shallow_clone());
+            self.groups.push(var.group);
         }
     }
 
@@ -127,7 +160,15 @@ impl Optimizer {
     /// Applies one update.
     pub fn step(&mut self) {
         self.add_missing_variables();
-        self.algorithm.update(&self.params, self.lr);
+        let hyper: Vec<Hyper> = self
+            .groups
+            .iter()
+            .map(|group| Hyper {
+                lr: self.group_lr.get(group).copied().unwrap_or(self.lr),
+                wd: self.group_wd.get(group).copied().or(self.wd),
+            })
+            .collect();
+        self.algorithm.update(&self.params, &hyper);
     }
 
     /// `zero_grad`, `loss.backward()`, `step`.
@@ -197,9 +238,27 @@ impl Optimizer {
         })
     }
 
-    /// Sets the learning rate.
+    /// Sets the learning rate of every group (as tch's does).
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+        self.group_lr.clear();
+    }
+
+    /// Sets the learning rate of the parameters of `group` (`nn::Path::set_group`).
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) {
+        self.group_lr.insert(group, lr);
+    }
+
+    /// Sets the weight decay of every group, in place of the configured one.
+    pub fn set_weight_decay(&mut self, wd: f64) {
+        self.wd = Some(wd);
+        self.group_wd.clear();
+    }
+
+    /// Sets the weight decay of the parameters of `group` (min-gpt's no-decay group for biases
+    /// and norms: `opt.set_weight_decay_group(0, 0.0)`).
+    pub fn set_weight_decay_group(&mut self, group: usize, wd: f64) {
+        self.group_wd.insert(group, wd);
     }
 
     /// The learning rate.

@@ -2,7 +2,7 @@
 
 use tch::{nn, TchError, Tensor};
 
-use super::{bytes, check, grad_f32, grow, Algorithm, Optimizer};
+use super::{bytes, check, grad_f32, grow, Algorithm, Hyper, Optimizer};
 
 /// SGD with (optionally Nesterov) momentum and L2 weight decay, with PyTorch's semantics.
 ///
@@ -65,7 +65,7 @@ struct SgdState {
 }
 
 impl Algorithm for SgdState {
-    fn update(&mut self, params: &[Tensor], lr: f64) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
         let Sgd {
             momentum,
             dampening,
@@ -74,8 +74,9 @@ impl Algorithm for SgdState {
         } = self.config;
         grow(&mut self.buffers, params.len());
         tch::no_grad(|| {
-            for (p, buffer) in params.iter().zip(&mut self.buffers) {
+            for ((p, buffer), h) in params.iter().zip(&mut self.buffers).zip(hyper) {
                 let Some(g) = grad_f32(p) else { continue };
+                let (lr, wd) = (h.lr, h.wd_or(wd));
                 let mut d = if wd != 0.0 {
                     g + p.to_kind(tch::Kind::Float) * wd
                 } else {
