@@ -13,6 +13,9 @@ use crate::child::CHILD_ENV;
 /// The tch version the runtime crate and cells use (it must match libtorch 2.11).
 pub const TCH_VERSION: &str = "0.24.0";
 
+/// The anyhow version every cell may use (`use anyhow::Result;`, as tch's examples do).
+pub const ANYHOW_VERSION: &str = "1";
+
 /// Run in every new child process once the prelude is compiled: the runtime's panic hook lives
 /// in the child's standard library, so a restarted child needs it again.
 pub const CHILD_SETUP: &str = "tchmem::__kernel_session_start();";
@@ -106,11 +109,13 @@ impl EngineConfig {
         Ok(path)
     }
 
-    /// The `:dep` lines every session starts with.
+    /// The `:dep` lines every session starts with: tch, the runtime, and anyhow (tch's examples
+    /// and most tch code return its `Result`).
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
         Some(format!(
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
+             :dep anyhow = \"{ANYHOW_VERSION}\"\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
              // A cell ending in a Debug value compiles once (see ShowDebugValue).\n\
