@@ -176,6 +176,16 @@ def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left
     assert reply["status"] == "ok", reply
     assert result_text(messages) == "true"
 
+    # Checkpointing a model an earlier cell built: rebuilt on a store of its own with the
+    # notebook's weights copied in, so both runs give the same losses; the model is untouched.
+    reply, messages = execute(kc, "%%optimize --checkpoint --compare 2\n" + SPLIT_LOOP, timeout=300)
+    assert reply["status"] == "ok", (reply["evalue"], stream_text(messages))
+    (result,) = displayed(messages, COMPARISON_MIME)
+    original, rewritten = result["original"]["losses"], result["rewritten"]["losses"]
+    assert max(abs(a - b) for a, b in zip(original, rewritten)) <= 1e-6, (original, rewritten)
+    reply, messages = execute(kc, "weights(&vs) == before")
+    assert result_text(messages) == "true"
+
     # %memestimate alone: the batch const of the first cell is the batch, the model is kept.
     reply, messages = execute(kc, "%memestimate", timeout=300)
     assert reply["status"] == "ok", reply

@@ -49,13 +49,15 @@ impl<R: Runner> Cells<R> {
         let what = estimate_label(&cell.binding.name, target, &full, &rule);
         // Refuse before any trial runs if the rewrites do not apply.
         if !full.is_empty() {
-            if let Err(refusal) = rewrite::rewrite(&cell.assembled.code, &full) {
+            let with_model = self.with_rebuilt_model(&cell, &full);
+            let assembled = with_model.as_ref().unwrap_or(&cell.assembled);
+            if let Err(refusal) = rewrite::rewrite(&assembled.code, &full) {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,
                     format!(
                         "%memestimate {} does not apply to this cell: {}",
                         full.flags(),
-                        cell.assembled.in_cell_terms(refusal).shifted(cell.offset)
+                        assembled.in_cell_terms(refusal).shifted(cell.offset)
                     ),
                 ));
             }

@@ -176,6 +176,7 @@ impl<R: Runner> Cells<R> {
             Wanted {
                 batch: false,
                 optimizer: request.compare.is_some() || request.options.optimizer.is_some(),
+                model: request.options.checkpoint.is_some(),
             },
         );
         let mut rewritten = match rewrite::rewrite(&assembled.code, &request.options) {

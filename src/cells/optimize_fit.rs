@@ -231,6 +231,7 @@ impl<R: Runner> Cells<R> {
             Wanted {
                 batch: false,
                 optimizer: winner.optimizer.is_some(),
+                model: winner.checkpoint.is_some(),
             },
         );
         let mut rewritten = match rewrite::rewrite(&assembled.code, winner) {

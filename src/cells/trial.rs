@@ -12,7 +12,7 @@ use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::magics::CellMagicSource;
 use crate::report::fit::{verdict_of, LiveTable};
 use crate::rewrite::batch::{self, BatchBinding};
-use crate::rewrite::earlier::{Assembled, Wanted};
+use crate::rewrite::earlier::{Assembled, Brought, Wanted};
 use crate::rewrite::{self, Options, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, ErrorName};
 
@@ -116,6 +116,28 @@ impl<R: Runner> Cells<R> {
         })
     }
 
+    /// The cell as trials under `options` run it when that differs from `cell.assembled`:
+    /// checkpointing rewrites the model's builders, so a model built by earlier cells is rebuilt.
+    pub(super) fn with_rebuilt_model(
+        &self,
+        cell: &TrainingCell,
+        options: &Options,
+    ) -> Option<Assembled> {
+        options.checkpoint?;
+        let assembled = self.assemble(
+            &cell.code,
+            Wanted {
+                model: true,
+                ..Wanted::TRIAL
+            },
+        );
+        assembled
+            .rebuilt
+            .iter()
+            .any(|rebuilt| rebuilt.what == Brought::Model)
+            .then_some(assembled)
+    }
+
     /// Runs `cell` at `batch` under `options` for `steps` steps, quietly (its own output is
     /// dropped: the magic's table says what happened).
     pub(super) fn trial(
@@ -125,10 +147,16 @@ impl<R: Runner> Cells<R> {
         batch: u64,
         steps: u32,
     ) -> Result<Trial, TrialError> {
-        let sized = batch::replace(&cell.assembled.code, &cell.binding, batch);
+        let with_model = self.with_rebuilt_model(cell, options);
+        let assembled = with_model.as_ref().unwrap_or(&cell.assembled);
         let refused = |refusal: Refusal| {
-            TrialError::Refused(cell.assembled.in_cell_terms(refusal).shifted(cell.offset))
+            TrialError::Refused(assembled.in_cell_terms(refusal).shifted(cell.offset))
         };
+        let binding = match &with_model {
+            Some(assembled) => batch::find(&assembled.code).map_err(refused)?,
+            None => cell.binding.clone(),
+        };
+        let sized = batch::replace(&assembled.code, &binding, batch);
         // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
         // loop as written goes through it too; if it will not mark them, the loop runs as is.
         let code = match rewrite::rewrite(&sized, options) {
@@ -137,7 +165,7 @@ impl<R: Runner> Cells<R> {
             Err(refusal) => return Err(refused(refusal)),
         };
         let instrumented = rewrite::instrument_for_compare(&code).map_err(refused)?;
-        let run = compare_cell(&instrumented, steps, &cell.assembled.var_stores);
+        let run = compare_cell(&instrumented, steps, &assembled.var_stores);
         let outcome = self.run_cell_code(&run, CellIo::quiet());
         let result = match &outcome.error {
             Some(error) if error.stops_the_run() => {

@@ -29,6 +29,21 @@ fn seq_call(expr: &Expr) -> Option<&'static str> {
         .find(|name| is_nn_path(&func.path, &[name]))
 }
 
+/// Whether `stmt` calls `nn::seq()` or `nn::seq_t()` anywhere in it (a function's body
+/// included): what `--checkpoint` rewrites.
+pub(crate) fn builds_seq(stmt: &syn::Stmt) -> bool {
+    struct Finder(bool);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr(&mut self, expr: &'a Expr) {
+            self.0 |= seq_call(expr).is_some();
+            syn::visit::visit_expr(self, expr);
+        }
+    }
+    let mut finder = Finder(false);
+    finder.visit_stmt(stmt);
+    finder.0
+}
+
 /// The `nn::seq()` call at the root of a builder chain (`nn::seq().add(…).add_fn(…)`).
 fn chain_root(mut expr: &Expr) -> Option<&'static str> {
     loop {

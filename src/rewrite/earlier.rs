@@ -20,6 +20,7 @@ use quote::ToTokens;
 use syn::{Expr, Item, Stmt};
 
 use super::cell;
+use super::checkpoint;
 use super::optimizer;
 use super::syntax::{as_ref_ident, walk_tokens};
 use super::tree::Tree;
@@ -43,6 +44,9 @@ pub enum Brought {
     BatchSize,
     /// An optimizer built from a VarStore.
     Optimizer,
+    /// A model built with `nn::seq()`/`nn::seq_t()`, rebuilt with the functions that build it on
+    /// a store of its own, the notebook's weights copied in.
+    Model,
 }
 
 /// A definition brought in front of a cell from an earlier one.
@@ -64,13 +68,17 @@ pub struct Wanted {
     pub batch: bool,
     /// The optimizer (trials step a fresh one; `--optimizer` swaps it).
     pub optimizer: bool,
+    /// The model, when it is built with `nn::seq()`/`nn::seq_t()` by earlier cells
+    /// (`--checkpoint` rewrites those builders): rebuilt from its cells on a store of its own.
+    pub model: bool,
 }
 
 impl Wanted {
-    /// Everything a trial needs: the batch and a fresh optimizer.
+    /// What a trial needs: the batch and a fresh optimizer.
     pub const TRIAL: Wanted = Wanted {
         batch: true,
         optimizer: true,
+        model: false,
     };
 }
 
@@ -135,6 +143,13 @@ impl Assembled {
                      statement",
                     rebuilt.name, rebuilt.run
                 ),
+                Brought::Model => format!(
+                    "the model `{}` is built in cell [{}] by functions of earlier cells: \
+                     rebuilt here with them, on a VarStore of its own into which the \
+                     notebook's weights are copied (the rebuilt model, its store and the \
+                     optimizer replace the notebook's where the cell's variables are kept)",
+                    rebuilt.name, rebuilt.run
+                ),
             })
             .collect()
     }
@@ -174,6 +189,16 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         .into_iter()
         .filter(|name| !bound.contains(name))
         .collect();
+    let model = if wanted.model {
+        let functions = live_functions(earlier);
+        direct
+            .iter()
+            .find_map(|name| rebuilt_model(name, &live, &functions))
+    } else {
+        None
+    };
+    // A rebuilt model has new variables: the optimizer must be built on them.
+    let wanted_optimizer = wanted.optimizer || model.is_some();
     let mut rebuilt: Vec<(usize, usize, Rebuilt)> = Vec::new();
     for name in &direct {
         let Some((run, index, definition)) = live.get(name) else {
@@ -181,7 +206,7 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         };
         let take = match definition.what {
             Some(Defined::Brought(Brought::BatchSize)) => wanted.batch,
-            Some(Defined::Brought(Brought::Optimizer)) => wanted.optimizer,
+            Some(Defined::Brought(Brought::Optimizer)) => wanted_optimizer,
             _ => false,
         };
         if let (true, Some(Defined::Brought(what))) = (take, &definition.what) {
@@ -194,9 +219,12 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
             rebuilt.push((*run, *index, rebuilt_one));
         }
     }
-    // As the cells ran.
+    // As the cells ran; a rebuilt model first (the optimizer is then built on its store).
     rebuilt.sort_by_key(|(run, index, _)| (*run, *index));
-    let rebuilt: Vec<Rebuilt> = rebuilt.into_iter().map(|(_, _, r)| r).collect();
+    let rebuilt: Vec<Rebuilt> = model
+        .into_iter()
+        .chain(rebuilt.into_iter().map(|(_, _, r)| r))
+        .collect();
 
     // The VarStores behind what the cell uses, followed through earlier definitions (`net`
     // built from `vs.root()` trains `vs`).
@@ -239,11 +267,100 @@ fn live_definitions(earlier: &[EarlierCell]) -> HashMap<String, (usize, usize, D
     let mut live: HashMap<String, (usize, usize, Definition)> = HashMap::new();
     for earlier in earlier.iter().rev() {
         for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
-            live.entry(definition.name.clone())
-                .or_insert((earlier.run, index, definition));
+            if definition.function.is_none() {
+                live.entry(definition.name.clone())
+                    .or_insert((earlier.run, index, definition));
+            }
         }
     }
     live
+}
+
+/// The live definition of each function the cells defined at their top level (functions and
+/// variables are apart: `let net = net(&vs.root());` after `fn net(..)`).
+fn live_functions(earlier: &[EarlierCell]) -> HashMap<String, (usize, Definition)> {
+    let mut live: HashMap<String, (usize, Definition)> = HashMap::new();
+    for earlier in earlier.iter().rev() {
+        for definition in definitions(&earlier.code).into_iter().rev() {
+            if definition.function.is_some() {
+                live.entry(definition.name.clone())
+                    .or_insert((earlier.run, definition));
+            }
+        }
+    }
+    live
+}
+
+/// The model `name` rebuilt, when its live definition is a `let` that builds an `nn::seq()` or
+/// `nn::seq_t()` (itself or through functions of earlier cells) from one VarStore of an earlier
+/// cell: a block that builds it again, with those functions, on a new store, and copies the
+/// notebook's weights into it.
+fn rebuilt_model(
+    name: &str,
+    live: &HashMap<String, (usize, usize, Definition)>,
+    functions: &HashMap<String, (usize, Definition)>,
+) -> Option<Rebuilt> {
+    let (run, _, definition) = live.get(name)?;
+    if definition.what.is_some() || !definition.local {
+        return None;
+    }
+    // The functions it calls, and those they call.
+    let mut reached: Vec<&str> = Vec::new();
+    let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
+    while let Some(next) = todo.pop() {
+        if let Some((_, function)) = functions.get(next) {
+            if !reached.contains(&next) {
+                reached.push(next);
+                todo.extend(function.uses.iter().map(String::as_str));
+            }
+        }
+    }
+    let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].1.has_seq);
+    let stores: Vec<&String> = definition
+        .uses
+        .iter()
+        .filter(|used| {
+            live.get(*used)
+                .is_some_and(|(_, _, d)| matches!(d.what, Some(Defined::VarStore)))
+        })
+        .collect();
+    let [store] = stores.as_slice() else {
+        return None;
+    };
+    if !builds_seq {
+        return None;
+    }
+    // In the order they were defined.
+    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1.code.clone()));
+    let items: String = reached
+        .iter()
+        .map(|f| format!("{}\n", functions[*f].1.code))
+        .collect();
+    let init = definition.init.as_deref()?;
+    let binding = definition
+        .code
+        .split('=')
+        .next()
+        .unwrap_or("let ")
+        .trim_end();
+    // The new store is the only one the model's code sees (`vs` inside the block); the
+    // notebook's weights are copied into it, then it takes the store's name.
+    let code = format!(
+        "let mut __tchmem_store = tch::nn::VarStore::new({store}.device());\n\
+         {binding} = {{\n\
+         let {store} = &__tchmem_store;\n\
+         {items}{init}\n\
+         }};\n\
+         __tchmem_store.copy(&{store}).expect(\"tchmem: copying the notebook's weights into \
+         the rebuilt model\");\n\
+         let mut {store} = __tchmem_store;"
+    );
+    Some(Rebuilt {
+        name: name.to_string(),
+        run: *run,
+        what: Brought::Model,
+        code,
+    })
 }
 
 /// The model the notebook holds now, as earlier cells made it (what `%memestimate` counts
@@ -323,6 +440,14 @@ struct Definition {
     code: String,
     /// The identifiers in its statement.
     uses: HashSet<String>,
+    /// A `let` (not a const or static).
+    local: bool,
+    /// The text of its initializer (`net(&vs.root())`), for a `let`.
+    init: Option<String>,
+    /// For a function: `Some(())` (its name is in the functions' namespace).
+    function: Option<()>,
+    /// Whether it calls `nn::seq()` or `nn::seq_t()` itself.
+    has_seq: bool,
 }
 
 /// An optimizer's build in an earlier cell.
@@ -365,6 +490,7 @@ fn definitions(code: &str) -> Vec<Definition> {
             }
             Stmt::Item(Item::Const(item)) => (item.ident.to_string(), Some(&*item.expr)),
             Stmt::Item(Item::Static(item)) => (item.ident.to_string(), Some(&*item.expr)),
+            Stmt::Item(Item::Fn(item)) => (item.sig.ident.to_string(), None),
             _ => continue,
         };
         let what = if stores.contains(&name) {
@@ -384,6 +510,17 @@ fn definitions(code: &str) -> Vec<Definition> {
                 .text_at(syn::spanned::Spanned::span(stmt))
                 .to_string(),
             uses: names_in(&Some(stmt.to_token_stream())),
+            local: matches!(stmt, Stmt::Local(_)),
+            init: match stmt {
+                Stmt::Local(local) => local.init.as_ref().map(|init| {
+                    parsed
+                        .text_at(syn::spanned::Spanned::span(&*init.expr))
+                        .to_string()
+                }),
+                _ => None,
+            },
+            function: matches!(stmt, Stmt::Item(Item::Fn(_))).then_some(()),
+            has_seq: checkpoint::builds_seq(stmt),
         });
     }
     out
@@ -523,9 +660,65 @@ mod tests {
             Wanted {
                 batch: false,
                 optimizer: false,
+                model: false,
             },
         );
         assert_eq!((none.code.as_str(), none.prelude_lines), (LOOP, 0));
+    }
+
+    #[test]
+    fn a_seq_model_of_earlier_cells_is_rebuilt_with_its_functions_on_a_store_of_its_own() {
+        // mnist_nn's cells: the function, then the store, model and optimizer.
+        let earlier = cells(&[
+            "const HIDDEN: i64 = 128;\nfn net(vs: &nn::Path) -> impl Module {\n    \
+             nn::seq().add(nn::linear(vs / \"l\", 784, HIDDEN, Default::default()))\n}\n\
+             fn unrelated() -> i64 { 1 }",
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+             let mut opt = nn::Adam::default().build(&vs, 1e-3)?;",
+        ]);
+        let cell = "for _ in 0..2 {\n    let loss = net.forward(&xs).mean(Kind::Float);\n    \
+                    opt.backward_step(&loss);\n}";
+        let wanted = Wanted {
+            batch: false,
+            optimizer: false,
+            model: true,
+        };
+        let assembled = assemble(cell, &earlier, wanted);
+        let kinds: Vec<Brought> = assembled.rebuilt.iter().map(|r| r.what).collect();
+        // The optimizer comes with the model (it must step the new store's variables).
+        assert_eq!(kinds, [Brought::Model, Brought::Optimizer]);
+        let code = &assembled.code;
+        assert!(
+            code.starts_with(
+                "// from cell [2]\nlet mut __tchmem_store = tch::nn::VarStore::new(vs.device());\n\
+                 let net = {\nlet vs = &__tchmem_store;\nfn net(vs: &nn::Path) -> impl Module {"
+            ),
+            "{code}"
+        );
+        assert!(!code.contains("fn unrelated"), "{code}");
+        assert!(
+            code.contains(
+                "net(&vs.root())\n};\n__tchmem_store.copy(&vs).expect(\"tchmem: copying the \
+                 notebook's weights into the rebuilt model\");\nlet mut vs = __tchmem_store;\n"
+            ),
+            "{code}"
+        );
+        assert!(code.contains("let mut opt = nn::Adam::default().build(&vs, 1e-3)?;\nfor _ in"));
+        assert_eq!(assembled.var_stores, ["vs"]);
+        // Not without --checkpoint, and not for a model that is not a seq.
+        assert!(assemble(
+            cell,
+            &earlier,
+            Wanted {
+                model: false,
+                ..wanted
+            }
+        )
+        .rebuilt
+        .is_empty());
+        let structs =
+            cells(&["let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs.root());"]);
+        assert!(assemble(cell, &structs, wanted).rebuilt.is_empty());
     }
 
     #[test]
