@@ -77,8 +77,11 @@ pub(crate) fn apply(
         return Err(Refusal::new(
             format!(
                 "--checkpoint looks for a model built with nn::seq() or nn::seq_t() in this \
-                 cell; found none{struct_note}. Build the model with tchmem::checkpoint::seq() \
-                 yourself, or move its nn::seq() into this cell."
+                 cell, or by a `let` of an earlier cell (and the functions of earlier cells it \
+                 calls) that the cell uses; found none{struct_note}. A model of another kind (a \
+                 struct implementing Module, an LSTM) is checkpointed where its forward runs: \
+                 wrap the layers to recompute in tchmem::checkpoint::checkpoint(|x| …, &x), or \
+                 build them with tchmem::checkpoint::seq()."
             ),
             line,
         ));
