@@ -1,0 +1,379 @@
+//! What a training cell takes from the cells before it.
+//!
+//! The kernel keeps the code of every cell that ran ([`EarlierCell`]). A magic that runs a cell
+//! in trials (`--compare`, `%memestimate`, `%memfit`, `--fit`, the OOM diagnosis) follows the
+//! names the cell uses but does not bind back to the newest cell that defined them, and brings
+//! in front of the cell what a trial must have in its own code ([`assemble`]):
+//! - the batch size (`const BATCH_SIZE: i64 = 64;`, `let batch_size = 64;`), so that the trials
+//!   can vary it;
+//! - the optimizer (`let mut opt = nn::Adam::default().build(&vs, 1e-3)?;`), so that a trial
+//!   steps a fresh one (the user's keeps its state) and `--optimizer` can swap it;
+//! - for `--checkpoint`, a model built with `nn::seq()`/`nn::seq_t()` by earlier cells, rebuilt
+//!   with the functions that build it.
+//!
+//! It also names the VarStores the cell uses that were made earlier: a trial keeps their
+//! tensors and puts them back after it (the runtime's `tchmem::keep`), so that the user's model
+//! is the same after the magic as before it, and both sides of `--compare` start from it.
+//!
+//! The modules: `definitions` reads the top-level definitions of the earlier cells (the live
+//! one of each name), `model` rebuilds a model of earlier cells for `--checkpoint` and finds the
+//! model `%memestimate` counts before any loop.
+
+mod definitions;
+mod model;
+
+use std::collections::HashSet;
+
+use super::{Change, Refusal};
+use definitions::{bound_names, live_definitions, live_functions, names_in, rust_tokens, Defined};
+use model::rebuilt_model;
+
+pub use model::{live_model, LiveModel};
+
+/// A cell that ran before, as the kernel kept it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EarlierCell {
+    /// Its number among the session's cells (as the memory records count them).
+    pub run: usize,
+    /// Its code, magic lines left out.
+    pub code: String,
+}
+
+/// What a definition brought from an earlier cell is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Brought {
+    /// An integer bound to a name with "batch" in it.
+    BatchSize,
+    /// An optimizer built from a VarStore.
+    Optimizer,
+    /// A model built with `nn::seq()`/`nn::seq_t()`, rebuilt with the functions that build it on
+    /// a store of its own, the notebook's weights copied in.
+    Model,
+}
+
+/// A definition brought in front of a cell from an earlier one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rebuilt {
+    /// The name it binds.
+    pub name: String,
+    /// The cell it was defined in.
+    pub run: usize,
+    pub what: Brought,
+    /// Its statement, as written there.
+    pub code: String,
+}
+
+/// What a cell needs brought in from earlier cells for a given use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wanted {
+    /// Batch-size bindings (trials vary them).
+    pub batch: bool,
+    /// The optimizer (trials step a fresh one; `--optimizer` swaps it).
+    pub optimizer: bool,
+    /// The model, when it is built with `nn::seq()`/`nn::seq_t()` by earlier cells
+    /// (`--checkpoint` rewrites those builders): rebuilt from its cells on a store of its own.
+    pub model: bool,
+}
+
+impl Wanted {
+    /// What a trial needs: the batch and a fresh optimizer.
+    pub const TRIAL: Wanted = Wanted {
+        batch: true,
+        optimizer: true,
+        model: false,
+    };
+}
+
+/// A cell with what it takes from earlier cells in front of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembled {
+    /// The definitions brought in, then the cell.
+    pub code: String,
+    /// Lines of `code` before the cell's first line.
+    pub prelude_lines: usize,
+    /// What was brought in, in the order written.
+    pub rebuilt: Vec<Rebuilt>,
+    /// VarStores the cell uses that earlier cells made (`vs`): a trial keeps and restores them.
+    pub var_stores: Vec<String>,
+}
+
+impl Assembled {
+    /// `refusal` (about `code`) in the cell's own terms: a line of the cell is moved up by the
+    /// prelude; a line of the prelude is named by the cell it came from.
+    pub fn in_cell_terms(&self, refusal: Refusal) -> Refusal {
+        match refusal.line {
+            Some(line) if line > self.prelude_lines => Refusal {
+                line: Some(line - self.prelude_lines),
+                ..refusal
+            },
+            Some(line) => {
+                let from = self.rebuilt_at(line).map_or(String::new(), |rebuilt| {
+                    format!(" (`{}`, brought from cell [{}])", rebuilt.name, rebuilt.run)
+                });
+                Refusal::new(format!("{}{from}", refusal.message), None)
+            }
+            None => refusal,
+        }
+    }
+
+    /// The definition on line `line` of the prelude.
+    fn rebuilt_at(&self, line: usize) -> Option<&Rebuilt> {
+        let mut next = 1;
+        for rebuilt in &self.rebuilt {
+            // A comment line, then the statement.
+            let end = next + 1 + rebuilt.code.lines().count();
+            if line < end {
+                return Some(rebuilt);
+            }
+            next = end;
+        }
+        None
+    }
+
+    /// One line per definition brought in, for the user ("`opt` rebuilt from cell [3]").
+    pub fn notes(&self) -> Vec<String> {
+        self.rebuilt
+            .iter()
+            .map(|rebuilt| match rebuilt.what {
+                Brought::BatchSize => format!(
+                    "`{}` is defined in cell [{}]: brought in front of the cell, so that the \
+                     batch can be varied",
+                    rebuilt.name, rebuilt.run
+                ),
+                Brought::Optimizer => format!(
+                    "the optimizer `{}` is built in cell [{}]: rebuilt here from that cell's \
+                     statement",
+                    rebuilt.name, rebuilt.run
+                ),
+                Brought::Model => format!(
+                    "the model `{}` is built in cell [{}] by functions of earlier cells: \
+                     rebuilt here with them, on a VarStore of its own into which the \
+                     notebook's weights are copied (the rebuilt model, its store and the \
+                     optimizer replace the notebook's where the cell's variables are kept)",
+                    rebuilt.name, rebuilt.run
+                ),
+            })
+            .collect()
+    }
+
+    /// A rewrite's `changes` (lines of `code`) in the cell's terms, after the notes on what
+    /// was brought in: a change to a line of the cell moves up by the prelude; one to a
+    /// statement brought in names the cell it came from.
+    pub fn cell_changes(&self, changes: Vec<Change>) -> Vec<Change> {
+        let mut out: Vec<Change> = self.notes().into_iter().map(Change::general).collect();
+        for change in changes {
+            let lines = change.lines;
+            let moved = match lines {
+                Some((first, last)) if first > self.prelude_lines => Change::over(
+                    (first - self.prelude_lines, last - self.prelude_lines),
+                    change.what,
+                ),
+                Some((first, _)) => match self.rebuilt_at(first) {
+                    Some(rebuilt) => Change::general(format!(
+                        "`{}` (from cell [{}]): {}",
+                        rebuilt.name, rebuilt.run, change.what
+                    )),
+                    None => Change::general(change.what),
+                },
+                None => change,
+            };
+            out.push(moved);
+        }
+        out
+    }
+}
+
+/// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it.
+pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assembled {
+    let live = live_definitions(earlier);
+    let bound = bound_names(cell);
+    let direct: Vec<String> = names_in(&rust_tokens(cell))
+        .into_iter()
+        .filter(|name| !bound.contains(name))
+        .collect();
+    let model = if wanted.model {
+        let functions = live_functions(earlier);
+        direct
+            .iter()
+            .find_map(|name| rebuilt_model(name, &live, &functions))
+    } else {
+        None
+    };
+    // A rebuilt model has new variables: the optimizer must be built on them.
+    let wanted_optimizer = wanted.optimizer || model.is_some();
+    let mut rebuilt: Vec<(usize, usize, Rebuilt)> = Vec::new();
+    for name in &direct {
+        let Some((run, index, definition)) = live.get(name) else {
+            continue;
+        };
+        let take = match definition.what {
+            Some(Defined::Brought(Brought::BatchSize)) => wanted.batch,
+            Some(Defined::Brought(Brought::Optimizer)) => wanted_optimizer,
+            _ => false,
+        };
+        if let (true, Some(Defined::Brought(what))) = (take, &definition.what) {
+            let rebuilt_one = Rebuilt {
+                name: name.clone(),
+                run: *run,
+                what: *what,
+                code: definition.code.clone(),
+            };
+            rebuilt.push((*run, *index, rebuilt_one));
+        }
+    }
+    // As the cells ran; a rebuilt model first (the optimizer is then built on its store).
+    rebuilt.sort_by_key(|(run, index, _)| (*run, *index));
+    let rebuilt: Vec<Rebuilt> = model
+        .into_iter()
+        .chain(rebuilt.into_iter().map(|(_, _, r)| r))
+        .collect();
+
+    // The VarStores behind what the cell uses, followed through earlier definitions (`net`
+    // built from `vs.root()` trains `vs`).
+    let mut reached: HashSet<String> = HashSet::new();
+    let mut todo: Vec<String> = direct;
+    for rebuilt in &rebuilt {
+        todo.extend(live[&rebuilt.name].2.uses.iter().cloned());
+    }
+    while let Some(name) = todo.pop() {
+        if let Some((_, _, definition)) = live.get(&name) {
+            if reached.insert(name) {
+                todo.extend(definition.uses.iter().cloned());
+            }
+        }
+    }
+    let mut var_stores: Vec<String> = reached
+        .into_iter()
+        .filter(|name| matches!(live[name].2.what, Some(Defined::VarStore)))
+        .collect();
+    var_stores.sort();
+
+    let mut prelude = String::new();
+    for rebuilt in &rebuilt {
+        prelude.push_str(&format!(
+            "// from cell [{}]\n{}\n",
+            rebuilt.run, rebuilt.code
+        ));
+    }
+    Assembled {
+        prelude_lines: prelude.lines().count(),
+        code: format!("{prelude}{cell}"),
+        rebuilt,
+        var_stores,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn cells(codes: &[&str]) -> Vec<EarlierCell> {
+        codes
+            .iter()
+            .enumerate()
+            .map(|(i, code)| EarlierCell {
+                run: i + 1,
+                code: code.to_string(),
+            })
+            .collect()
+    }
+
+    pub(super) const MODEL: &str = "let vs = nn::VarStore::new(Device::cuda_if_available());\n\
+                         let net = net(&vs.root());\n\
+                         let mut opt = nn::Adam::default().build(&vs, 1e-3)?;";
+    const LOOP: &str = "for (x, y) in m.train_iter(BATCH_SIZE).shuffle() {\n\
+                        \x20   let loss = net.forward(&x).cross_entropy_for_logits(&y);\n\
+                        \x20   opt.backward_step(&loss);\n}";
+
+    #[test]
+    fn the_optimizer_and_batch_const_come_from_their_cells_and_the_var_store_is_named() {
+        let earlier = cells(&["const BATCH_SIZE: i64 = 256;\nconst LR: f64 = 1e-3;", MODEL]);
+        let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
+        assert_eq!(
+            assembled.code,
+            format!(
+                "// from cell [1]\nconst BATCH_SIZE: i64 = 256;\n// from cell [2]\nlet mut opt = \
+                 nn::Adam::default().build(&vs, 1e-3)?;\n{LOOP}"
+            )
+        );
+        assert_eq!(assembled.prelude_lines, 4);
+        assert_eq!(assembled.var_stores, vec!["vs".to_string()]);
+        let notes = assembled.notes();
+        assert!(
+            notes[0].contains("`BATCH_SIZE` is defined in cell [1]"),
+            "{notes:?}"
+        );
+        assert!(
+            notes[1].contains("optimizer `opt` is built in cell [2]"),
+            "{notes:?}"
+        );
+        // The batch is then found in the assembled code.
+        let binding = super::super::batch::find(&assembled.code).unwrap();
+        assert_eq!((binding.name.as_str(), binding.value), ("BATCH_SIZE", 256));
+
+        // Refusals: a line of the cell moves up, a line of the prelude names its cell.
+        let moved = assembled.in_cell_terms(Refusal::at(6, "here"));
+        assert_eq!(moved.line, Some(2));
+        let brought = assembled.in_cell_terms(Refusal::at(4, "no"));
+        assert_eq!(
+            (brought.line, brought.message.as_str()),
+            (None, "no (`opt`, brought from cell [2])")
+        );
+
+        // A rewrite's changes in the cell's lines; one to a brought statement names its cell.
+        let changes = assembled.cell_changes(vec![
+            Change::at(4, "swapped"),
+            Change::over((6, 7), "marked"),
+            Change::general("note"),
+        ]);
+        let text: Vec<String> = changes.iter().map(ToString::to_string).collect();
+        assert_eq!(text.len(), 5);
+        assert_eq!(text[2], "`opt` (from cell [2]): swapped");
+        assert_eq!(text[3..], ["lines 2–3: marked", "note"]);
+
+        // Only what is wanted: a real run swapping nothing brings nothing.
+        let none = assemble(
+            LOOP,
+            &earlier,
+            Wanted {
+                batch: false,
+                optimizer: false,
+                model: false,
+            },
+        );
+        assert_eq!((none.code.as_str(), none.prelude_lines), (LOOP, 0));
+    }
+
+    #[test]
+    fn the_newest_definition_wins_and_the_cells_own_bindings_are_its_own() {
+        // `opt` redefined by a call the kernel cannot rebuild: the older build is not the live one.
+        let earlier = cells(&[MODEL, "let mut opt = make_optimizer(&vs);"]);
+        let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
+        assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+        // A newer SGD replaces the Adam.
+        let earlier = cells(&[
+            MODEL,
+            "let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();",
+        ]);
+        let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
+        assert_eq!(assembled.rebuilt[0].run, 2);
+        // A cell that builds its own optimizer and batch takes neither.
+        let own = format!(
+            "let batch_size = 8;\nlet mut opt = nn::Sgd::default().build(&vs, 0.1)?;\n{LOOP}"
+        );
+        let assembled = assemble(
+            &own,
+            &cells(&["const BATCH_SIZE: i64 = 1;", MODEL]),
+            Wanted::TRIAL,
+        );
+        assert_eq!(assembled.rebuilt.len(), 1, "{:?}", assembled.rebuilt);
+        assert_eq!(assembled.rebuilt[0].name, "BATCH_SIZE");
+        // Names an earlier cell bound in a block or function are not live.
+        let earlier = cells(&["fn f() { let batch_size = 3; }\n{ let mut opt = nn::Adam::default().build(&vs, 1.0)?; }"]);
+        assert!(assemble(LOOP, &earlier, Wanted::TRIAL).rebuilt.is_empty());
+        // An earlier cell that does not parse is skipped.
+        assert!(assemble(LOOP, &cells(&["let = ;"]), Wanted::TRIAL)
+            .rebuilt
+            .is_empty());
+    }
+}

@@ -1,0 +1,227 @@
+//! Models of earlier cells: rebuilt for `--checkpoint` (a `let` that builds an `nn::seq()` or
+//! `nn::seq_t()`, with the functions it calls, on a store of its own that the notebook's weights
+//! are copied into), and the model `%memestimate` counts before any loop.
+
+use std::collections::HashMap;
+
+use super::definitions::{live_definitions, Defined, Definition};
+use super::{Brought, EarlierCell, Rebuilt};
+use tchmem_wire::estimate::OptimizerRule;
+
+/// The model `name` rebuilt, when its live definition is a `let` that builds an `nn::seq()` or
+/// `nn::seq_t()` (itself or through functions of earlier cells) from one VarStore of an earlier
+/// cell: a block that builds it again, with those functions, on a new store, and copies the
+/// notebook's weights into it.
+pub(super) fn rebuilt_model(
+    name: &str,
+    live: &HashMap<String, (usize, usize, Definition)>,
+    functions: &HashMap<String, (usize, Definition)>,
+) -> Option<Rebuilt> {
+    let (run, _, definition) = live.get(name)?;
+    if definition.what.is_some() || !definition.local {
+        return None;
+    }
+    // The functions it calls, and those they call.
+    let mut reached: Vec<&str> = Vec::new();
+    let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
+    while let Some(next) = todo.pop() {
+        if let Some((_, function)) = functions.get(next) {
+            if !reached.contains(&next) {
+                reached.push(next);
+                todo.extend(function.uses.iter().map(String::as_str));
+            }
+        }
+    }
+    let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].1.has_seq);
+    let stores: Vec<&String> = definition
+        .uses
+        .iter()
+        .filter(|used| {
+            live.get(*used)
+                .is_some_and(|(_, _, d)| matches!(d.what, Some(Defined::VarStore)))
+        })
+        .collect();
+    let [store] = stores.as_slice() else {
+        return None;
+    };
+    if !builds_seq {
+        return None;
+    }
+    // In the order they were defined.
+    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1.code.clone()));
+    let items: String = reached
+        .iter()
+        .map(|f| format!("{}\n", functions[*f].1.code))
+        .collect();
+    let init = definition.init.as_deref()?;
+    let binding = definition
+        .code
+        .split('=')
+        .next()
+        .unwrap_or("let ")
+        .trim_end();
+    // The new store is the only one the model's code sees (`vs` inside the block); the
+    // notebook's weights are copied into it, then it takes the store's name.
+    let code = format!(
+        "let mut __tchmem_store = tch::nn::VarStore::new({store}.device());\n\
+         {binding} = {{\n\
+         let {store} = &__tchmem_store;\n\
+         {items}{init}\n\
+         }};\n\
+         __tchmem_store.copy(&{store}).expect(\"tchmem: copying the notebook's weights into \
+         the rebuilt model\");\n\
+         let mut {store} = __tchmem_store;"
+    );
+    Some(Rebuilt {
+        name: name.to_string(),
+        run: *run,
+        what: Brought::Model,
+        code,
+    })
+}
+
+/// The model the notebook holds now, as earlier cells made it (what `%memestimate` counts
+/// before any training loop ran).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveModel {
+    /// Its VarStores and the cells that made them: the one the optimizer is built on, else
+    /// every live one.
+    pub stores: Vec<(String, usize)>,
+    /// The optimizer built on it, if one is.
+    pub optimizer: Option<LiveOptimizer>,
+}
+
+/// An optimizer an earlier cell built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveOptimizer {
+    /// Its variable.
+    pub name: String,
+    /// The cell that built it.
+    pub run: usize,
+    /// Its type's name and state rule, when the kernel knows them.
+    pub rule: Option<(String, OptimizerRule)>,
+}
+
+/// The model the earlier cells left, `None` when no VarStore of theirs is live.
+pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
+    let live = live_definitions(earlier);
+    let mut stores: Vec<(String, usize)> = live
+        .iter()
+        .filter(|(_, (_, _, d))| matches!(d.what, Some(Defined::VarStore)))
+        .map(|(name, (run, _, _))| (name.clone(), *run))
+        .collect();
+    stores.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+    if stores.is_empty() {
+        return None;
+    }
+    // The newest optimizer built on a live store.
+    let optimizer = live
+        .iter()
+        .filter_map(|(name, (run, index, d))| {
+            let built = d.optimizer.as_ref()?;
+            let store = built.store.as_ref()?;
+            stores.iter().any(|(s, _)| s == store).then(|| {
+                (
+                    (*run, *index),
+                    store.clone(),
+                    LiveOptimizer {
+                        name: name.clone(),
+                        run: *run,
+                        rule: built.rule.clone(),
+                    },
+                )
+            })
+        })
+        .max_by_key(|(at, _, _)| *at);
+    if let Some((_, store, _)) = &optimizer {
+        stores.retain(|(s, _)| s == store);
+    }
+    Some(LiveModel {
+        stores,
+        optimizer: optimizer.map(|(_, _, o)| o),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{cells, MODEL};
+    use super::super::{assemble, Brought, Wanted};
+    use super::*;
+
+    #[test]
+    fn a_seq_model_of_earlier_cells_is_rebuilt_with_its_functions_on_a_store_of_its_own() {
+        // mnist_nn's cells: the function, then the store, model and optimizer.
+        let earlier = cells(&[
+            "const HIDDEN: i64 = 128;\nfn net(vs: &nn::Path) -> impl Module {\n    \
+             nn::seq().add(nn::linear(vs / \"l\", 784, HIDDEN, Default::default()))\n}\n\
+             fn unrelated() -> i64 { 1 }",
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+             let mut opt = nn::Adam::default().build(&vs, 1e-3)?;",
+        ]);
+        let cell = "for _ in 0..2 {\n    let loss = net.forward(&xs).mean(Kind::Float);\n    \
+                    opt.backward_step(&loss);\n}";
+        let wanted = Wanted {
+            batch: false,
+            optimizer: false,
+            model: true,
+        };
+        let assembled = assemble(cell, &earlier, wanted);
+        let kinds: Vec<Brought> = assembled.rebuilt.iter().map(|r| r.what).collect();
+        // The optimizer comes with the model (it must step the new store's variables).
+        assert_eq!(kinds, [Brought::Model, Brought::Optimizer]);
+        let code = &assembled.code;
+        assert!(
+            code.starts_with(
+                "// from cell [2]\nlet mut __tchmem_store = tch::nn::VarStore::new(vs.device());\n\
+                 let net = {\nlet vs = &__tchmem_store;\nfn net(vs: &nn::Path) -> impl Module {"
+            ),
+            "{code}"
+        );
+        assert!(!code.contains("fn unrelated"), "{code}");
+        assert!(
+            code.contains(
+                "net(&vs.root())\n};\n__tchmem_store.copy(&vs).expect(\"tchmem: copying the \
+                 notebook's weights into the rebuilt model\");\nlet mut vs = __tchmem_store;\n"
+            ),
+            "{code}"
+        );
+        assert!(code.contains("let mut opt = nn::Adam::default().build(&vs, 1e-3)?;\nfor _ in"));
+        assert_eq!(assembled.var_stores, ["vs"]);
+        // Not without --checkpoint, and not for a model that is not a seq.
+        assert!(assemble(
+            cell,
+            &earlier,
+            Wanted {
+                model: false,
+                ..wanted
+            }
+        )
+        .rebuilt
+        .is_empty());
+        let structs =
+            cells(&["let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs.root());"]);
+        assert!(assemble(cell, &structs, wanted).rebuilt.is_empty());
+    }
+
+    #[test]
+    fn the_live_model_is_the_store_its_optimizer_is_built_on() {
+        let model = live_model(&cells(&[
+            "let critic = nn::VarStore::new(Device::Cpu);",
+            MODEL,
+        ]))
+        .unwrap();
+        assert_eq!(model.stores, vec![("vs".to_string(), 2)]);
+        let optimizer = model.optimizer.unwrap();
+        assert_eq!((optimizer.name.as_str(), optimizer.run), ("opt", 2));
+        assert_eq!(optimizer.rule, Some(("Adam".into(), OptimizerRule::Adam)));
+        // No optimizer yet: every live store.
+        let model = live_model(&cells(&[
+            "let critic = nn::VarStore::new(Device::Cpu);",
+            "let vs = nn::VarStore::new(Device::Cpu);",
+        ]))
+        .unwrap();
+        assert_eq!(model.stores.len(), 2);
+        assert_eq!(model.optimizer, None);
+        assert_eq!(live_model(&cells(&["let x = 1;"])), None);
+    }
+}
