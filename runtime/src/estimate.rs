@@ -60,7 +60,7 @@ pub fn model(stores: &[&VarStore]) -> Model {
             .variables()
             .values()
             .filter(|tensor| !addresses.contains(&(tensor.data_ptr() as usize)))
-            .map(|tensor| tensor.numel() as u64 * tensor.kind().elt_size_in_bytes() as u64)
+            .map(crate::tensor_bytes)
             .sum::<u64>();
     }
     Model(shapes)

@@ -23,7 +23,7 @@ use crate::ffi;
 /// Where the variables of the stores kept now are: a run's measurements count them as the run's
 /// model, though they were there before it began (`compare::begin`). The kernel keeps a store
 /// and begins the run in one cell: that cell's copy of this static is enough.
-static KEPT_ADDRESSES: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+static KEPT_ADDRESSES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 /// The addresses of the variables of every store kept now.
 pub(crate) fn kept_addresses() -> HashSet<usize> {
@@ -64,7 +64,7 @@ fn host_copy(tensor: &Tensor) -> Tensor {
 /// Keeps `store`'s variables and gradients until the returned value is dropped.
 pub fn keep(store: &VarStore) -> Kept {
     let variables = Arc::clone(&store.variables_);
-    let guard = variables.lock().unwrap_or_else(|e| e.into_inner());
+    let guard = crate::state::lock(&variables);
     let _no_grad = tch::no_grad_guard();
     let saved = guard
         .named_variables
@@ -111,7 +111,7 @@ impl Drop for Kept {
             let device_grad = grad.as_ref().map(|g| g.to_device(tensor.device()));
             set_grad(tensor, device_grad.as_ref());
         }
-        let mut guard = self.variables.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = crate::state::lock(&self.variables);
         let names = &self.names;
         guard.named_variables.retain(|name, _| names.contains(name));
         guard.trainable_variables.truncate(self.trainable);

@@ -31,12 +31,10 @@ fn model_words(model: &LiveModel, rule: Option<&str>) -> String {
 }
 
 impl<R: Runner> Cells<R> {
-    /// Whether earlier cells built a model (a VarStore, or its optimizer) after the last
-    /// training cell ran, or no training cell ran: `%memestimate` alone is then about it.
-    pub(super) fn model_is_newer_than_training(&self) -> bool {
-        let Some(model) = earlier::live_model(&self.history) else {
-            return false;
-        };
+    /// The model earlier cells built (a VarStore, or its optimizer) after the last training
+    /// cell ran, or when no training cell ran: `%memestimate` alone is then about it.
+    pub(super) fn model_newer_than_training(&self) -> Option<LiveModel> {
+        let model = earlier::live_model(&self.history)?;
         let made = model
             .stores
             .iter()
@@ -47,16 +45,16 @@ impl<R: Runner> Cells<R> {
         self.last_training_cell
             .as_ref()
             .is_none_or(|(trained, _)| made > *trained)
+            .then_some(model)
     }
 
-    /// `%memestimate` alone in a cell before the model's training loop ran: the model's terms,
-    /// or `None` when earlier cells made no model.
+    /// `%memestimate` alone in a cell before `model`'s training loop ran: the model's terms.
     pub(super) fn estimate_model(
         &mut self,
+        model: &LiveModel,
         request: &EstimateRequest,
         io: &CellIo,
-    ) -> Option<CellOutcome> {
-        let model = earlier::live_model(&self.history)?;
+    ) -> CellOutcome {
         let built = model.optimizer.as_ref().and_then(|o| o.rule.as_ref());
         let rule = match request.optimizer.map(|choice| choice.rule()) {
             Some(rule) => Some(rule),
@@ -66,7 +64,7 @@ impl<R: Runner> Cells<R> {
         let rule = match (rule, &model.optimizer) {
             (Some(rule), _) => rule,
             (None, Some(optimizer)) => {
-                return Some(fail(CellError::new(
+                return fail(CellError::new(
                     ErrorName::EstimateFailed,
                     format!(
                         "%memestimate does not know the state rule of the optimizer `{}` (cell \
@@ -74,7 +72,7 @@ impl<R: Runner> Cells<R> {
                          adafactor), or run a training cell and put %memestimate on it",
                         optimizer.name, optimizer.run
                     ),
-                )))
+                ))
             }
             // No optimizer yet: no state to count.
             (None, None) => OptimizerRule::Sgd { momentum: false },
@@ -94,20 +92,20 @@ impl<R: Runner> Cells<R> {
             let why = outcome
                 .error
                 .map_or_else(|| "no answer".to_string(), |error| error.evalue);
-            return Some(fail(CellError::new(
+            return fail(CellError::new(
                 ErrorName::EstimateFailed,
                 format!(
                     "%memestimate could not read the model's variables ({}): {why}",
                     stores.join(", ")
                 ),
-            )));
+            ));
         };
         let room = if shapes.cuda {
             self.device_room()
         } else {
             None
         };
-        let what = model_words(&model, rule_name.as_deref());
+        let what = model_words(model, rule_name.as_deref());
         let terms = ModelTerms {
             what: &what,
             fixed: Fixed::of(&shapes.trainable, &rule),
@@ -126,15 +124,15 @@ impl<R: Runner> Cells<R> {
         .filter_map(|(given, flag)| given.then_some(flag))
         .collect();
         if !ignored.is_empty() {
-            return Some(fail(CellError::new(
+            return fail(CellError::new(
                 ErrorName::NoTrainingCell,
                 format!(
                     "{} need a training cell (they act on its loop): the model's terms are \
                      above; run the training cell, then %memestimate with them",
                     ignored.join(", ")
                 ),
-            )));
+            ));
         }
-        Some(CellOutcome::default())
+        CellOutcome::default()
     }
 }

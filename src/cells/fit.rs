@@ -29,9 +29,9 @@ impl<R: Runner> Cells<R> {
         io: CellIo,
     ) -> CellOutcome {
         // Alone, after a model newer than any training cell: that model's terms.
-        if source.body.trim().is_empty() && self.model_is_newer_than_training() {
-            if let Some(outcome) = self.estimate_model(request, &io) {
-                return outcome;
+        if source.body.trim().is_empty() {
+            if let Some(model) = self.model_newer_than_training() {
+                return self.estimate_model(&model, request, &io);
             }
         }
         let cell = match self.training_cell(source, "%memestimate") {

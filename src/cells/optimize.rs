@@ -11,7 +11,7 @@ use super::{fail, Cells, Runner};
 use crate::magics::optimize::OptimizeRequest;
 use crate::magics::CellMagicSource;
 use crate::report::compare::{comparison_display, Side, SideFailure};
-use crate::rewrite::earlier::Wanted;
+use crate::rewrite::earlier::{Assembled, Wanted};
 use crate::rewrite::{self, Change, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName, StreamName};
 
@@ -30,29 +30,24 @@ fn refused(refusal: Refusal, body_offset: usize) -> CellError {
 
 /// Where a compare run's code comes from, for the line numbers of a refusal.
 #[derive(Clone, Copy)]
-enum CodeOrigin {
-    /// The cell's own body, starting this many lines below the magic line, after this many
-    /// lines brought from earlier cells.
+enum CodeOrigin<'a> {
+    /// The cell's own body, starting this many lines below the magic line, with what it takes
+    /// from earlier cells in front of it.
     Cell {
         body_offset: usize,
-        prelude_lines: usize,
+        assembled: &'a Assembled,
     },
     /// The rewritten code shown above (its own line numbers).
     Rewritten,
 }
 
-impl CodeOrigin {
+impl CodeOrigin<'_> {
     fn refused(self, refusal: Refusal) -> CellError {
         match self {
             CodeOrigin::Cell {
                 body_offset,
-                prelude_lines,
-            } => {
-                let line = refusal
-                    .line
-                    .and_then(|line| line.checked_sub(prelude_lines));
-                refused(Refusal { line, ..refusal }, body_offset)
-            }
+                assembled,
+            } => refused(assembled.in_cell_terms(refusal), body_offset),
             CodeOrigin::Rewritten => CellError::new(
                 ErrorName::RewriteRefused,
                 format!(
@@ -131,7 +126,7 @@ impl<R: Runner> Cells<R> {
         name: &str,
         code: &str,
         steps: u32,
-        origin: CodeOrigin,
+        origin: CodeOrigin<'_>,
         keep: &[String],
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
@@ -208,7 +203,7 @@ impl<R: Runner> Cells<R> {
         let mut run = |name, code, origin| self.compare_side(name, code, steps, origin, keep, &io);
         let cell = CodeOrigin::Cell {
             body_offset: source.body_offset,
-            prelude_lines: assembled.prelude_lines,
+            assembled: &assembled,
         };
         let original_side = match run("original", &assembled.code, cell) {
             Ok(side) => side,

@@ -14,10 +14,10 @@
 use std::collections::BTreeSet;
 
 use syn::visit::{self, Visit};
-use syn::{Expr, Item, Lit, Pat, Stmt};
+use syn::{Expr, Item, Lit, Stmt};
 
 use super::cell::{self, line_of};
-use super::syntax::{segments, strip_parens};
+use super::syntax::{segments, single_name, strip_parens};
 use super::Refusal;
 
 /// The batch size found in a cell: one number, written at one or more places.
@@ -97,7 +97,7 @@ fn named(stmts: &[Stmt]) -> Result<Named, Refusal> {
         let (name, expr, form) = match stmt {
             Stmt::Local(local) => {
                 let Some(init) = &local.init else { continue };
-                let Some(name) = bound_name(&local.pat) else {
+                let Some(name) = single_name(&local.pat) else {
                     continue;
                 };
                 let form = (format!("let {name} = "), ";".to_string());
@@ -347,13 +347,10 @@ pub fn replace(src: &str, binding: &BatchBinding, value: u64) -> String {
     out
 }
 
-/// The name a simple pattern binds (`batch`, `mut batch`, `batch: i64`).
-fn bound_name(pat: &Pat) -> Option<String> {
-    match pat {
-        Pat::Ident(ident) => Some(ident.ident.to_string()),
-        Pat::Type(typed) => bound_name(&typed.pat),
-        _ => None,
-    }
+/// Whether a binding of `name` to `expr` is one `find` takes for the batch size: a name with
+/// "batch" in it, bound to an integer literal.
+pub(crate) fn is_batch_binding(name: &str, expr: &Expr) -> bool {
+    name.to_lowercase().contains("batch") && int_literal(expr).is_some()
 }
 
 /// Where an integer literal is written and its value, if `expr` is one (on one line, as

@@ -135,6 +135,15 @@ pub(crate) fn is_nn_path(path: &syn::Path, suffix: &[&str]) -> bool {
         )
 }
 
+/// The name a simple pattern binds (`batch`, `mut opt`, `opt: nn::Optimizer`).
+pub(crate) fn single_name(pat: &Pat) -> Option<String> {
+    match pat {
+        Pat::Ident(ident) => Some(ident.ident.to_string()),
+        Pat::Type(typed) => single_name(&typed.pat),
+        _ => None,
+    }
+}
+
 /// The identifier of a plain variable expression (`x`).
 pub(crate) fn as_ident(expr: &Expr) -> Option<&Ident> {
     match strip_parens(expr) {

@@ -6,45 +6,44 @@ use std::collections::{HashMap, HashSet};
 
 use proc_macro2::{TokenStream, TokenTree};
 use quote::ToTokens;
-use syn::{Expr, Item, Stmt};
+use syn::{Item, Stmt};
 
 use super::{Brought, EarlierCell};
 use crate::cell_syntax;
-use crate::rewrite::syntax::{as_ref_ident, walk_tokens};
+use crate::rewrite::syntax::{as_ref_ident, single_name, walk_tokens};
 use crate::rewrite::tree::Tree;
-use crate::rewrite::{cell, checkpoint, optimizer, rule_of};
+use crate::rewrite::{batch, cell, checkpoint, optimizer, rule_of};
 use tchmem_wire::estimate::OptimizerRule;
 
-/// The live definition of each name the cells bound at their top level: the newest cell's, and
-/// in a cell its last; with the cell and the statement's index in it.
-pub(super) fn live_definitions(
-    earlier: &[EarlierCell],
-) -> HashMap<String, (usize, usize, Definition)> {
-    let mut live: HashMap<String, (usize, usize, Definition)> = HashMap::new();
-    for earlier in earlier.iter().rev() {
-        for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
-            if definition.function.is_none() {
-                live.entry(definition.name.clone())
+/// The live definitions of the earlier cells, read in one pass: the newest cell's of each
+/// name, and in a cell its last; each with its cell and the statement's index there. Variables
+/// and functions are apart (`let net = net(&vs.root());` after `fn net(..)`).
+pub(super) struct Live {
+    pub(super) values: HashMap<String, (usize, usize, Definition)>,
+    pub(super) functions: HashMap<String, (usize, usize, Definition)>,
+}
+
+impl Live {
+    /// The live definitions of `earlier` (oldest first).
+    pub(super) fn of(earlier: &[EarlierCell]) -> Live {
+        let mut live = Live {
+            values: HashMap::new(),
+            functions: HashMap::new(),
+        };
+        for earlier in earlier.iter().rev() {
+            for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
+                let names = if definition.function {
+                    &mut live.functions
+                } else {
+                    &mut live.values
+                };
+                names
+                    .entry(definition.name.clone())
                     .or_insert((earlier.run, index, definition));
             }
         }
+        live
     }
-    live
-}
-
-/// The live definition of each function the cells defined at their top level (functions and
-/// variables are apart: `let net = net(&vs.root());` after `fn net(..)`).
-pub(super) fn live_functions(earlier: &[EarlierCell]) -> HashMap<String, (usize, Definition)> {
-    let mut live: HashMap<String, (usize, Definition)> = HashMap::new();
-    for earlier in earlier.iter().rev() {
-        for definition in definitions(&earlier.code).into_iter().rev() {
-            if definition.function.is_some() {
-                live.entry(definition.name.clone())
-                    .or_insert((earlier.run, definition));
-            }
-        }
-    }
-    live
 }
 
 /// What a top-level definition of an earlier cell is, when it matters to a trial.
@@ -62,12 +61,11 @@ pub(super) struct Definition {
     pub(super) code: String,
     /// The identifiers in its statement.
     pub(super) uses: HashSet<String>,
-    /// A `let` (not a const or static).
-    pub(super) local: bool,
-    /// The text of its initializer (`net(&vs.root())`), for a `let`.
-    pub(super) init: Option<String>,
-    /// For a function: `Some(())` (its name is in the functions' namespace).
-    pub(super) function: Option<()>,
+    /// For a `let`: the text of its pattern (`mut net`, `net: nn::Sequential`) and of its
+    /// initializer (`net(&vs.root())`).
+    pub(super) local: Option<(String, Option<String>)>,
+    /// A function (its name is in the functions' namespace).
+    pub(super) function: bool,
     /// Whether it calls `nn::seq()` or `nn::seq_t()` itself.
     pub(super) has_seq: bool,
 }
@@ -119,7 +117,7 @@ fn definitions(code: &str) -> Vec<Definition> {
             Some(Defined::VarStore)
         } else if optimizers.contains_key(&index) {
             Some(Defined::Brought(Brought::Optimizer))
-        } else if name.to_lowercase().contains("batch") && init.is_some_and(is_int_literal) {
+        } else if init.is_some_and(|init| batch::is_batch_binding(&name, init)) {
             Some(Defined::Brought(Brought::BatchSize))
         } else {
             None
@@ -131,54 +129,39 @@ fn definitions(code: &str) -> Vec<Definition> {
             code: parsed
                 .text_at(syn::spanned::Spanned::span(stmt))
                 .to_string(),
-            uses: names_in(&Some(stmt.to_token_stream())),
-            local: matches!(stmt, Stmt::Local(_)),
-            init: match stmt {
-                Stmt::Local(local) => local.init.as_ref().map(|init| {
-                    parsed
-                        .text_at(syn::spanned::Spanned::span(&*init.expr))
-                        .to_string()
-                }),
+            uses: names_in(stmt.to_token_stream()),
+            local: match stmt {
+                Stmt::Local(local) => {
+                    let text =
+                        |node: &dyn syn::spanned::Spanned| parsed.text_at(node.span()).to_string();
+                    let init = local.init.as_ref().map(|init| text(&*init.expr));
+                    Some((text(&local.pat), init))
+                }
                 _ => None,
             },
-            function: matches!(stmt, Stmt::Item(Item::Fn(_))).then_some(()),
+            function: matches!(stmt, Stmt::Item(Item::Fn(_))),
             has_seq: checkpoint::builds_seq(stmt),
         });
     }
     out
 }
 
-/// The name a simple pattern binds (`opt`, `mut opt`, `opt: nn::Optimizer`).
-fn single_name(pat: &syn::Pat) -> Option<String> {
-    match pat {
-        syn::Pat::Ident(ident) if ident.subpat.is_none() => Some(ident.ident.to_string()),
-        syn::Pat::Type(typed) => single_name(&typed.pat),
-        _ => None,
-    }
-}
-
-fn is_int_literal(expr: &Expr) -> bool {
-    matches!(expr, Expr::Lit(lit) if matches!(lit.lit, syn::Lit::Int(_)))
-}
-
 /// Every identifier in `tokens` (a superset of the names they use).
-pub(super) fn names_in(tokens: &Option<TokenStream>) -> HashSet<String> {
+pub(super) fn names_in(tokens: TokenStream) -> HashSet<String> {
     let mut names = HashSet::new();
-    if let Some(tokens) = tokens {
-        walk_tokens(tokens.clone(), &mut |tree| {
-            if let TokenTree::Ident(ident) = tree {
-                names.insert(ident.to_string());
-            }
-        });
-    }
+    walk_tokens(tokens, &mut |tree| {
+        if let TokenTree::Ident(ident) = tree {
+            names.insert(ident.to_string());
+        }
+    });
     names
 }
 
-/// Names the cell binds itself (any `let`, `const`, `static` or `fn` in it): those it does not
-/// take from earlier cells.
-pub(super) fn bound_names(cell: &str) -> HashSet<String> {
+/// The names the cell uses but does not bind itself (by a `let`, `const` or `static` in it):
+/// those it may take from earlier cells. None when it does not parse.
+pub(super) fn free_names(cell: &str) -> Vec<String> {
     let Ok(parsed) = cell::parse(cell) else {
-        return HashSet::new();
+        return Vec::new();
     };
     struct Binder(HashSet<String>);
     impl<'a> syn::visit::Visit<'a> for Binder {
@@ -195,14 +178,10 @@ pub(super) fn bound_names(cell: &str) -> HashSet<String> {
             syn::visit::visit_item_static(self, item);
         }
     }
-    let mut binder = Binder(HashSet::new());
-    syn::visit::Visit::visit_block(&mut binder, &parsed.block);
-    binder.0
-}
-
-/// The cell's tokens (its Rust part), when it parses.
-pub(super) fn rust_tokens(cell: &str) -> Option<TokenStream> {
-    cell::parse(cell)
-        .ok()
-        .map(|parsed| parsed.block.to_token_stream())
+    let mut bound = Binder(HashSet::new());
+    syn::visit::Visit::visit_block(&mut bound, &parsed.block);
+    names_in(parsed.block.to_token_stream())
+        .into_iter()
+        .filter(|name| !bound.0.contains(name))
+        .collect()
 }

@@ -25,7 +25,7 @@ mod model;
 use std::collections::HashSet;
 
 use super::{Change, Refusal};
-use definitions::{bound_names, live_definitions, live_functions, names_in, rust_tokens, Defined};
+use definitions::{free_names, Defined, Live};
 use model::rebuilt_model;
 
 pub use model::{live_model, LiveModel};
@@ -185,17 +185,11 @@ impl Assembled {
 
 /// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it.
 pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assembled {
-    let live = live_definitions(earlier);
-    let bound = bound_names(cell);
-    let direct: Vec<String> = names_in(&rust_tokens(cell))
-        .into_iter()
-        .filter(|name| !bound.contains(name))
-        .collect();
+    let all = Live::of(earlier);
+    let live = &all.values;
+    let direct = free_names(cell);
     let model = if wanted.model {
-        let functions = live_functions(earlier);
-        direct
-            .iter()
-            .find_map(|name| rebuilt_model(name, &live, &functions))
+        direct.iter().find_map(|name| rebuilt_model(name, &all))
     } else {
         None
     };

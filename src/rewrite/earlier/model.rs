@@ -2,9 +2,7 @@
 //! `nn::seq_t()`, with the functions it calls, on a store of its own that the notebook's weights
 //! are copied into), and the model `%memestimate` counts before any loop.
 
-use std::collections::HashMap;
-
-use super::definitions::{live_definitions, Defined, Definition};
+use super::definitions::{Defined, Live};
 use super::{Brought, EarlierCell, Rebuilt};
 use tchmem_wire::estimate::OptimizerRule;
 
@@ -12,32 +10,34 @@ use tchmem_wire::estimate::OptimizerRule;
 /// `nn::seq_t()` (itself or through functions of earlier cells) from one VarStore of an earlier
 /// cell: a block that builds it again, with those functions, on a new store, and copies the
 /// notebook's weights into it.
-pub(super) fn rebuilt_model(
-    name: &str,
-    live: &HashMap<String, (usize, usize, Definition)>,
-    functions: &HashMap<String, (usize, Definition)>,
-) -> Option<Rebuilt> {
-    let (run, _, definition) = live.get(name)?;
-    if definition.what.is_some() || !definition.local {
+pub(super) fn rebuilt_model(name: &str, live: &Live) -> Option<Rebuilt> {
+    let functions = &live.functions;
+    let (run, _, definition) = live.values.get(name)?;
+    let Some((pattern, Some(init))) = definition
+        .local
+        .as_ref()
+        .filter(|_| definition.what.is_none())
+    else {
         return None;
-    }
+    };
     // The functions it calls, and those they call.
     let mut reached: Vec<&str> = Vec::new();
     let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
     while let Some(next) = todo.pop() {
-        if let Some((_, function)) = functions.get(next) {
+        if let Some((_, _, function)) = functions.get(next) {
             if !reached.contains(&next) {
                 reached.push(next);
                 todo.extend(function.uses.iter().map(String::as_str));
             }
         }
     }
-    let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].1.has_seq);
+    let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].2.has_seq);
     let stores: Vec<&String> = definition
         .uses
         .iter()
         .filter(|used| {
-            live.get(*used)
+            live.values
+                .get(*used)
                 .is_some_and(|(_, _, d)| matches!(d.what, Some(Defined::VarStore)))
         })
         .collect();
@@ -48,23 +48,16 @@ pub(super) fn rebuilt_model(
         return None;
     }
     // In the order they were defined.
-    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1.code.clone()));
+    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1));
     let items: String = reached
         .iter()
-        .map(|f| format!("{}\n", functions[*f].1.code))
+        .map(|f| format!("{}\n", functions[*f].2.code))
         .collect();
-    let init = definition.init.as_deref()?;
-    let binding = definition
-        .code
-        .split('=')
-        .next()
-        .unwrap_or("let ")
-        .trim_end();
     // The new store is the only one the model's code sees (`vs` inside the block); the
     // notebook's weights are copied into it, then it takes the store's name.
     let code = format!(
         "let mut __tchmem_store = tch::nn::VarStore::new({store}.device());\n\
-         {binding} = {{\n\
+         let {pattern} = {{\n\
          let {store} = &__tchmem_store;\n\
          {items}{init}\n\
          }};\n\
@@ -104,7 +97,7 @@ pub struct LiveOptimizer {
 
 /// The model the earlier cells left, `None` when no VarStore of theirs is live.
 pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
-    let live = live_definitions(earlier);
+    let live = Live::of(earlier).values;
     let mut stores: Vec<(String, usize)> = live
         .iter()
         .filter(|(_, (_, _, d))| matches!(d.what, Some(Defined::VarStore)))
