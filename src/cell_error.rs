@@ -39,7 +39,7 @@ pub enum ErrorName {
     EstimateFailed,
     /// `%%optimize --fit` found no combination under the budget.
     DoesNotFit,
-    /// Neither side of `%%optimize --compare` ran.
+    /// A side of `%%optimize --compare` failed other than by running out of memory.
     CompareFailed,
     /// A `--compare` side ran but recorded no optimizer step.
     NoStep,

@@ -97,10 +97,13 @@ pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String]) -> S
         .iter()
         .map(|store| format!("tchmem::keep::keep(&{store}), "))
         .collect();
-    // The kept copies live in the block, so they are dropped (and put back) when it ends.
+    // The kept copies live in the block, so they are dropped (and put back) when it ends. The
+    // block's value is bound and then the cell's value: a block as the cell's last expression
+    // is shown with `Debug` by evcxr when the cell has a `?`.
     format!(
-        "{commands}\n{{\nlet __tchmem_kept = ({kept});\ntchmem::compare::begin({steps});\n\
-         let _ = {{\n{code}\n}};\ntchmem::compare::finish()\n}}\n"
+        "{commands}\nlet __tchmem_finished = {{\nlet __tchmem_kept = ({kept});\n\
+         tchmem::compare::begin({steps});\nlet _ = {{\n{code}\n}};\ntchmem::compare::finish()\n\
+         }};\n__tchmem_finished\n"
     )
 }
 
@@ -174,15 +177,16 @@ impl<R: Runner> Cells<R> {
                 model: request.options.checkpoint.is_some(),
             },
         );
-        let mut rewritten = match rewrite::rewrite(&assembled.code, &request.options) {
-            Ok(rewritten) => rewritten,
-            Err(refusal) => {
-                return fail(refused(
-                    assembled.in_cell_terms(refusal),
-                    source.body_offset,
-                ))
-            }
-        };
+        let mut rewritten =
+            match rewrite::rewrite(&assembled.code, &request.options, &assembled.functions) {
+                Ok(rewritten) => rewritten,
+                Err(refusal) => {
+                    return fail(refused(
+                        assembled.in_cell_terms(refusal),
+                        source.body_offset,
+                    ))
+                }
+            };
         rewritten.changes = assembled.cell_changes(rewritten.changes);
         let flags = request.options.flags();
         (io.output)(CellOutput::Display(code_display(
@@ -230,6 +234,23 @@ impl<R: Runner> Cells<R> {
                 format!(
                     "neither version ran: the original failed with {original}; the rewritten \
                      one with {rewritten}"
+                ),
+            )),
+            // Running out of memory is an answer (the table says which fits); any other
+            // failure means the comparison has none.
+            (Ok(_), Err(rewritten)) if !rewritten.is_out_of_memory() => fail(CellError::new(
+                ErrorName::CompareFailed,
+                format!(
+                    "the rewritten loop failed with {rewritten} (the original ran, the table \
+                     shows it): the rewrite does not suit this loop. Nothing of the notebook \
+                     changed; please report the cell"
+                ),
+            )),
+            (Err(original), Ok(_)) if !original.is_out_of_memory() => fail(CellError::new(
+                ErrorName::CompareFailed,
+                format!(
+                    "the original loop failed with {original} (the rewritten one ran, the table \
+                     shows it): run the cell as written to see why"
                 ),
             )),
             _ => CellOutcome::default(),
@@ -281,9 +302,10 @@ mod tests {
         );
         assert!(
             cell.contains(
-                "{\nlet __tchmem_kept = (tchmem::keep::keep(&vs), tchmem::keep::keep(&critic), );\n\
-                 tchmem::compare::begin(2);\nlet _ = {\nopt.backward_step(&loss);\n};\n\
-                 tchmem::compare::finish()\n}"
+                "let __tchmem_finished = {\nlet __tchmem_kept = (tchmem::keep::keep(&vs), \
+                 tchmem::keep::keep(&critic), );\ntchmem::compare::begin(2);\nlet _ = \
+                 {\nopt.backward_step(&loss);\n};\ntchmem::compare::finish()\n};\n\
+                 __tchmem_finished"
             ),
             "{cell}"
         );
