@@ -43,3 +43,31 @@ pub fn split<const N: usize>(k: i64, batch: [&Tensor; N]) -> Vec<(f64, [Tensor; 
         })
         .collect()
 }
+
+/// The size of the micro-batch `first` (a batch tensor's chunk, its length along dim 0) in the
+/// type of the whole batch's size `whole`, for code that spells the batch size out
+/// (`xs.view([BATCH_SIZE * SEQ_LEN, labels])`): inside a micro-batch it must read the
+/// micro-batch's.
+///
+/// # Panics
+/// If the length does not fit `T`.
+pub fn micro_size<T: TryFrom<i64>>(first: &Tensor, whole: T) -> T {
+    let _ = whole;
+    let len = first.size().first().copied().unwrap_or(1);
+    T::try_from(len)
+        .unwrap_or_else(|_| panic!("a micro-batch of {len} does not fit the batch size's type"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_micro_batch_size_comes_in_the_batch_sizes_type() {
+        let batch = Tensor::zeros([8, 3], (tch::Kind::Float, tch::Device::Cpu));
+        let parts = split(3, [&batch]);
+        let sizes: Vec<i64> = parts.iter().map(|(_, [p])| micro_size(p, 8i64)).collect();
+        assert_eq!(sizes, [3, 3, 2]);
+        assert_eq!(micro_size(&parts[2].1[0], 8usize), 2usize);
+    }
+}

@@ -6,6 +6,7 @@
 use proc_macro2::Ident;
 use quote::{quote, ToTokens};
 use syn::visit::{self, Visit};
+use syn::visit_mut::{self, VisitMut};
 use syn::{Expr, Stmt};
 
 use super::cell::line_of;
@@ -21,6 +22,8 @@ pub(crate) struct Generated {
     pub scaled: Ident,
     pub part: Ident,
     pub sum: Ident,
+    /// The micro-batch's size, where the forward pass uses the batch size.
+    pub micro_size: Ident,
 }
 
 impl Generated {
@@ -31,6 +34,7 @@ impl Generated {
             scaled: names.fresh("scaled"),
             part: names.fresh("part"),
             sum: names.fresh("sum"),
+            micro_size: names.fresh("micro_batch_size"),
         }
     }
 }
@@ -283,7 +287,23 @@ pub(crate) fn micro_batches(
         scaled,
         part,
         sum,
+        micro_size,
     } = names;
+    let mut body = body.to_vec();
+    let sizes = batch_size_names(&body, batch);
+    // Inside a micro-batch the batch size is the micro-batch's (`view([BATCH_SIZE * T, C])`),
+    // in the batch size's own type.
+    let size_of_micro = match (sizes.first(), batch.first()) {
+        (Some(whole), Some(first)) => {
+            let mut rename = Rename {
+                from: &sizes,
+                to: micro_size,
+            };
+            body.iter_mut().for_each(|s| rename.visit_stmt_mut(s));
+            quote!(let #micro_size = tchmem::accumulate::micro_size(&#first, #whole);)
+        }
+        _ => quote!(),
+    };
     let loss = &span.loss.ident;
     let loss_pattern = if span.loss.mutable {
         quote!(mut #loss)
@@ -300,6 +320,7 @@ pub(crate) fn micro_batches(
         let #loss_pattern = {
             let mut #accumulated: Option<tch::Tensor> = None;
             for (#weight, [#(ref #batch),*]) in tchmem::accumulate::split(#k, [#(&#batch),*]) {
+                #size_of_micro
                 tchmem::phase::forward();
                 #(#body)*
                 let #scaled = &#loss * #weight;
@@ -314,6 +335,57 @@ pub(crate) fn micro_batches(
             #accumulated.expect("an empty batch")
         };
     })
+}
+
+/// The names in `body` that stand for the batch size: a variable or constant read but not bound
+/// there, not a batch tensor, whose name says batch and size (`BATCH_SIZE`, `batch_size`,
+/// `BATCH`: a constant's capitals say "size" in that position), in order of first use.
+pub(crate) fn batch_size_names(body: &[Stmt], batch: &[Ident]) -> Vec<Ident> {
+    struct Finder(Vec<Ident>);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_path(&mut self, e: &'a syn::ExprPath) {
+            if let Some(ident) = e.path.get_ident() {
+                let name = ident.to_string();
+                let lower = name.to_lowercase();
+                let constant = name
+                    .chars()
+                    .all(|c| c.is_uppercase() || c == '_' || c.is_ascii_digit());
+                if lower.contains("batch")
+                    && (constant || lower.contains("size"))
+                    && !self.0.contains(ident)
+                {
+                    self.0.push(ident.clone());
+                }
+            }
+        }
+    }
+    let mut finder = Finder(Vec::new());
+    body.iter().for_each(|s| finder.visit_stmt(s));
+    let bound: Vec<Ident> = body
+        .iter()
+        .flat_map(let_bindings)
+        .map(|b| b.ident)
+        .collect();
+    finder
+        .0
+        .into_iter()
+        .filter(|name| !batch.contains(name) && !bound.contains(name))
+        .collect()
+}
+
+/// Replaces reads of the names `from` with `to`.
+struct Rename<'a> {
+    from: &'a [Ident],
+    to: &'a Ident,
+}
+
+impl VisitMut for Rename<'_> {
+    fn visit_expr_path_mut(&mut self, e: &mut syn::ExprPath) {
+        if e.path.get_ident().is_some_and(|i| self.from.contains(i)) {
+            e.path = self.to.clone().into();
+        }
+        visit_mut::visit_expr_path_mut(self, e);
+    }
 }
 
 /// An assignment in `stmts` to a variable they do not bind (`total += …`): it would run once

@@ -5,8 +5,47 @@ use proc_macro2::{Ident, TokenStream};
 use quote::quote;
 use syn::{Expr, Stmt};
 
+use super::earlier::EarlierFn;
 use super::syntax::{stmts, Binding};
 use super::{Amp, Refusal};
+
+/// Ops libtorch refuses under autocast (`autocast_mode.cpp`'s banned list): their f16/bf16
+/// results are unsafe, and the call fails at run time.
+const REFUSED_UNDER_AUTOCAST: [&str; 1] = ["binary_cross_entropy"];
+
+/// An op of [`REFUSED_UNDER_AUTOCAST`] that `span` (the statements autocast would wrap) calls,
+/// itself or in a function of an earlier cell that it calls: the op, and where (`None`: in the
+/// span).
+pub(crate) fn refused_op<'f>(
+    span: &[Stmt],
+    functions: &'f [EarlierFn],
+) -> Option<(&'static str, Option<&'f EarlierFn>)> {
+    let refused = |tokens: TokenStream| {
+        let names = super::earlier::identifiers(tokens);
+        let op = REFUSED_UNDER_AUTOCAST
+            .into_iter()
+            .find(|op| names.contains(*op));
+        (op, names)
+    };
+    let (op, mut names) = refused(quote!(#(#span)*));
+    if let Some(op) = op {
+        return Some((op, None));
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    while let Some(function) = functions
+        .iter()
+        .find(|f| names.contains(&f.name) && !seen.contains(&f.name.as_str()))
+    {
+        seen.push(&function.name);
+        let tokens: TokenStream = function.code.parse().unwrap_or_default();
+        let (op, more) = refused(tokens);
+        if let Some(op) = op {
+            return Some((op, Some(function)));
+        }
+        names.extend(more);
+    }
+    None
+}
 
 /// `tch::Kind::…` for an AMP kind.
 pub(crate) fn kind(amp: Amp) -> TokenStream {

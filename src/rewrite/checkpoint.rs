@@ -150,8 +150,10 @@ impl VisitMut for Rewriter {
         if ty.qself.is_some() {
             return;
         }
+        // `nn::SequentialT`, or `SequentialT` imported from tch as tch-rs's examples do: a
+        // function that returns the builder's value must name the rewritten builder's type.
         for name in ["Sequential", "SequentialT"] {
-            if is_nn_path(&ty.path, &[name]) {
+            if is_nn_path(&ty.path, &[name]) || ty.path.is_ident(name) {
                 let ident = proc_macro2::Ident::new(name, proc_macro2::Span::call_site());
                 ty.path = syn::parse_quote!(tchmem::checkpoint::#ident);
             }

@@ -181,9 +181,17 @@ impl fmt::Display for Refusal {
 /// Every requested rewrite is applied or the whole cell is refused; a rewrite whose `tchmem::`
 /// module the cell already uses is skipped (with a line in `changes`), so rewriting twice never
 /// wraps twice. Never panics: malformed input is a [`Refusal`].
-pub fn rewrite(src: &str, options: &Options) -> Result<Rewritten, Refusal> {
+///
+/// `functions` are the functions of earlier cells that the cell calls (an
+/// [`earlier::Assembled`]'s): the rewriter reads them where a rewrite depends on them.
+pub fn rewrite(
+    src: &str,
+    options: &Options,
+    functions: &[earlier::EarlierFn],
+) -> Result<Rewritten, Refusal> {
     let options = options.clone();
-    isolated(src, move |src| rewrite_cell(src, &options))
+    let functions = functions.to_vec();
+    isolated(src, move |src| rewrite_cell(src, &options, &functions))
 }
 
 /// Instruments `src` (an original or rewritten cell) for `--compare`: labels the outermost loop
@@ -195,7 +203,11 @@ pub fn instrument_for_compare(src: &str) -> Result<String, Refusal> {
 }
 
 /// The rewrite, on the calling thread (tests call it directly so that a panic fails them).
-pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Refusal> {
+pub(crate) fn rewrite_cell(
+    src: &str,
+    options: &Options,
+    functions: &[earlier::EarlierFn],
+) -> Result<Rewritten, Refusal> {
     let cell = cell::parse(src)?;
     let mut block = cell.block.clone();
     let mut names = syntax::Names::of(&block);
@@ -240,7 +252,12 @@ pub(crate) fn rewrite_cell(src: &str, options: &Options) -> Result<Rewritten, Re
         .accumulate
         .filter(|_| !skip("accumulate", "--accumulate", &mut changes));
     if amp.is_some() || accumulate.is_some() {
-        training::apply(&mut block, amp, accumulate, &mut names, &mut changes)?;
+        let plan = training::Plan {
+            amp,
+            accumulate,
+            functions,
+        };
+        training::apply(&mut block, &plan, &mut names, &mut changes)?;
     }
     if !present.contains("phase") {
         phases::mark(&mut block, step_line, &mut names, &mut changes)?;

@@ -12,8 +12,15 @@ use super::step::{loss_binding, Form, Loss, Step};
 use super::syntax::{let_bindings, Binding};
 use super::Refusal;
 
-/// Method calls that run a model.
-pub(crate) const FORWARD_METHODS: [&str; 4] = ["forward", "forward_t", "apply", "apply_t"];
+/// Method calls that run a model (`seq`/`seq_init`: tch's recurrent nets over a sequence).
+pub(crate) const FORWARD_METHODS: [&str; 6] = [
+    "forward",
+    "forward_t",
+    "apply",
+    "apply_t",
+    "seq",
+    "seq_init",
+];
 
 /// The statements from the forward call to the loss binding, in the step's block.
 pub(crate) struct ForwardSpan {

@@ -28,11 +28,11 @@ fn options(flags: &str) -> Options {
 }
 
 fn rewrite_ok(src: &str, flags: &str) -> Rewritten {
-    rewrite_cell(src, &options(flags)).unwrap_or_else(|refusal| panic!("{flags}: {refusal}"))
+    rewrite_cell(src, &options(flags), &[]).unwrap_or_else(|refusal| panic!("{flags}: {refusal}"))
 }
 
 fn refusal(src: &str, flags: &str) -> Refusal {
-    match rewrite_cell(src, &options(flags)) {
+    match rewrite_cell(src, &options(flags), &[]) {
         Ok(rewritten) => panic!("{flags}: expected a refusal, got\n{}", rewritten.code),
         Err(refusal) => refusal,
     }
@@ -182,7 +182,7 @@ fn rewrite_is_deterministic_and_never_wraps_twice() {
         let first = rewrite_ok(&src, flags);
         assert_eq!(first, rewrite_ok(&src, flags), "{name} {flags}");
         // Rewriting the output again skips every rewrite that is already there.
-        match rewrite_cell(&first.code, &options(flags)) {
+        match rewrite_cell(&first.code, &options(flags), &[]) {
             Ok(again) => {
                 assert!(
                     again.changes.iter().all(|c| c.what.contains("skipped")),
@@ -386,7 +386,7 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
         "{}\nopt.set_weight_decay_group(0, 0.0);\nopt.set_lr_group(1, 1e-4);\n",
         reference("mlp")
     );
-    let swapped = rewrite_cell(&src, &options("--optimizer lion")).unwrap();
+    let swapped = rewrite_cell(&src, &options("--optimizer lion"), &[]).unwrap();
     assert!(
         swapped.code.contains("opt.set_weight_decay_group(0, 0.0);"),
         "{}",
@@ -471,6 +471,104 @@ fn rewrite_accumulate_splits_only_the_batch() {
     assert!(!code.contains("loss.backward()"), "{code}");
     assert!(code.contains("opt.step();"), "{code}");
     assert_parses(code, "split batch");
+}
+
+#[test]
+fn rewrite_accumulate_runs_recurrent_nets_per_micro_batch_and_reads_the_micro_batch_size() {
+    // tch-rs's char-rnn: the LSTM runs the sequence (`seq`), and the loss spells the batch size.
+    let src = "for batch in data.iter_shuffle(SEQ_LEN + 1, BATCH_SIZE) {\n    let xs_onehot = \
+               batch.narrow(1, 0, SEQ_LEN).onehot(labels);\n    let ys = batch.narrow(1, 1, \
+               SEQ_LEN).to_kind(Kind::Int64);\n    let (lstm_out, _) = \
+               lstm.seq(&xs_onehot.to_device(device));\n    let logits = \
+               linear.forward(&lstm_out);\n    let loss = logits.view([BATCH_SIZE * SEQ_LEN, \
+               labels]).cross_entropy_for_logits(&ys.to_device(device).view([BATCH_SIZE * \
+               SEQ_LEN]));\n    opt.backward_step_clip(&loss, 0.5);\n    sum_loss += \
+               f64::try_from(loss)?;\n}\n";
+    let rewritten = rewrite_ok(src, "--accumulate 2");
+    let code = &rewritten.code;
+    let flat: String = code.split_whitespace().collect();
+    assert!(flat.contains("split(2,[&xs_onehot,&ys],)"), "{code}");
+    let micro = code.find("tchmem::accumulate::micro_size(");
+    let lstm = code.find("lstm.seq(");
+    assert!(micro.is_some() && micro < lstm, "{code}");
+    // Inside the micro-batch loop the batch size is the micro-batch's; the loop's own use of
+    // it (the iterator) is the whole batch's.
+    assert!(
+        code.contains("view([micro_batch_size * SEQ_LEN, labels])"),
+        "{code}"
+    );
+    assert!(
+        rewritten
+            .changes
+            .iter()
+            .any(|c| c.what.contains("`BATCH_SIZE` reads the micro-batch's size")),
+        "{:?}",
+        rewritten.changes
+    );
+    assert!(
+        code.contains("iter_shuffle(SEQ_LEN + 1, BATCH_SIZE)"),
+        "{code}"
+    );
+    assert_parses(code, "micro-batch size");
+}
+
+#[test]
+fn rewrite_amp_refuses_a_loss_that_autocast_refuses_even_in_a_function_of_an_earlier_cell() {
+    // tch-rs's vae: the loss function of an earlier cell calls binary_cross_entropy.
+    let src = "for (bimages, _) in m.train_iter(128).shuffle().to_device(vs.device()) {\n    let \
+               (recon_batch, mu, logvar) = vae.forward(&bimages);\n    let loss = \
+               loss(&recon_batch, &bimages, &mu, &logvar);\n    opt.backward_step(&loss);\n}\n";
+    let earlier = |code: &str| super::earlier::EarlierFn {
+        name: "loss".into(),
+        run: 2,
+        code: code.into(),
+    };
+    let bce = earlier(
+        "fn loss(recon_x: &Tensor, x: &Tensor) -> Tensor {\n    \
+         recon_x.binary_cross_entropy::<Tensor>(&x.view([-1, 784]), None, Reduction::Sum)\n}",
+    );
+    let refusal =
+        rewrite_cell(src, &options("--amp bf16"), std::slice::from_ref(&bce)).unwrap_err();
+    assert_eq!(refusal.line, Some(2), "{refusal}");
+    assert!(
+        refusal.message.contains(
+            "binary_cross_entropy (in `loss`, a function of cell [2]); libtorch refuses it \
+             under autocast"
+        ),
+        "{refusal}"
+    );
+    assert!(
+        refusal.message.contains("binary_cross_entropy_with_logits"),
+        "{refusal}"
+    );
+    // With logits it is fine, and so is the op outside the forward pass and loss.
+    let logits = earlier(
+        "fn loss(r: &Tensor, x: &Tensor) -> Tensor {\n    \
+         r.binary_cross_entropy_with_logits::<Tensor>(x, None, None, Reduction::Mean)\n}",
+    );
+    rewrite_cell(src, &options("--amp bf16"), &[logits]).unwrap();
+    rewrite_cell(src, &options("--accumulate 2"), &[bce]).unwrap();
+}
+
+#[test]
+fn rewrite_checkpoint_renames_the_builders_type_where_a_function_returns_it() {
+    // tch-rs's cifar example imports `SequentialT` and returns it from its builders.
+    let src = "fn conv_bn(vs: &nn::Path, c_in: i64, c_out: i64) -> SequentialT {\n    \
+               nn::seq_t().add(nn::conv2d(vs, c_in, c_out, 3, Default::default()))\n}\nfn \
+               head(vs: &nn::Path) -> nn::Sequential {\n    nn::seq().add(nn::linear(vs, 4, 2, \
+               Default::default()))\n}\nlet net = conv_bn(&vs.root(), 3, 8);\nfor (xs, ys) in \
+               batches.iter() {\n    let loss = net.forward_t(xs, true).mse_loss(ys, \
+               tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    let code = rewrite_ok(src, "--checkpoint").code;
+    assert!(
+        code.contains("-> tchmem::checkpoint::SequentialT {"),
+        "{code}"
+    );
+    assert!(
+        code.contains("-> tchmem::checkpoint::Sequential {"),
+        "{code}"
+    );
+    assert_parses(&code, "renamed builder types");
 }
 
 #[test]
@@ -637,12 +735,12 @@ fn rewrite_fuzzed_cells_never_panic() {
         for _ in 0..600 {
             let mutated = mutate(&src, &mut rng);
             let flags = FLAG_SETS[rng.below(FLAG_SETS.len())];
-            if let Ok(out) = rewrite_cell(&mutated, &options(flags)) {
+            if let Ok(out) = rewrite_cell(&mutated, &options(flags), &[]) {
                 assert_parses(&out.code, &format!("{flags} on\n{mutated}"));
                 rewritten += 1;
                 // Rewriting and instrumenting the output must not panic either.
                 let again = FLAG_SETS[rng.below(FLAG_SETS.len())];
-                let _ = rewrite_cell(&out.code, &options(again));
+                let _ = rewrite_cell(&out.code, &options(again), &[]);
                 if let Ok(instrumented) = compare::instrument(&out.code) {
                     assert_parses(&instrumented, &format!("--compare on\n{}", out.code));
                 }
@@ -704,13 +802,13 @@ fn rewrite_fuzzed_flags_never_panic() {
 #[test]
 fn rewrite_isolated_entry_points_survive_bad_input() {
     let deep = format!("let x = {}1{};", "(".repeat(5000), ")".repeat(5000));
-    assert!(rewrite(&deep, &options("--amp bf16")).is_err());
+    assert!(rewrite(&deep, &options("--amp bf16"), &[]).is_err());
     assert!(instrument_for_compare("fn (").is_err());
-    assert!(rewrite("", &options("--amp bf16")).is_err());
-    let ok = rewrite(&reference("mlp"), &options("--amp bf16")).unwrap();
+    assert!(rewrite("", &options("--amp bf16"), &[]).is_err());
+    let ok = rewrite(&reference("mlp"), &options("--amp bf16"), &[]).unwrap();
     assert_eq!(
         ok,
-        rewrite_cell(&reference("mlp"), &options("--amp bf16")).unwrap()
+        rewrite_cell(&reference("mlp"), &options("--amp bf16"), &[]).unwrap()
     );
 }
 
@@ -727,7 +825,7 @@ fn rewrite_deep_expressions_do_not_overflow() {
                 "for (xs, ys) in b.iter() {{\n    let loss = {}xs;\n    opt.backward_step(&loss);\n}}\n",
                 unit.repeat(count)
             );
-            let result = rewrite(&src, &options("--amp bf16"));
+            let result = rewrite(&src, &options("--amp bf16"), &[]);
             assert_eq!(
                 result.is_ok(),
                 accepted,
@@ -738,7 +836,7 @@ fn rewrite_deep_expressions_do_not_overflow() {
         }
     }
     let chain = format!("let x = a{};\n", ".f()".repeat(200_000));
-    let refused = rewrite(&chain, &options("--amp bf16")).unwrap_err();
+    let refused = rewrite(&chain, &options("--amp bf16"), &[]).unwrap_err();
     assert!(refused.message.contains("tokens"), "{refused}");
 }
 

@@ -8,6 +8,7 @@ use syn::{Block, Stmt};
 use super::accumulate::{self, Generated};
 use super::amp;
 use super::change::Change;
+use super::earlier::EarlierFn;
 use super::optimizer::{builds, Build};
 use super::span::{escaping_control_flow, has_path, used_later, ForwardSpan};
 use super::step::{self, Clip, Form, Loss, Step};
@@ -15,14 +16,24 @@ use super::syntax::{stmts, stmts_mention, Binding, Names};
 use super::tree::{edit_block, Tree};
 use super::{Amp, Refusal};
 
+/// What to do to the training step, and what the rewriter may read for it.
+pub(crate) struct Plan<'a> {
+    /// Mixed precision.
+    pub amp: Option<Amp>,
+    /// Micro-batches per batch.
+    pub accumulate: Option<u32>,
+    /// The functions of earlier cells the cell calls.
+    pub functions: &'a [EarlierFn],
+}
+
 /// Applies `--amp` and/or `--accumulate` to the cell's training step.
 pub(crate) fn apply(
     block: &mut Block,
-    amp: Option<Amp>,
-    accumulate: Option<u32>,
+    plan: &Plan,
     names: &mut Names,
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
+    let (amp, accumulate) = (plan.amp, plan.accumulate);
     let flag = match (amp, accumulate) {
         (Some(_), Some(_)) => "--amp with --accumulate",
         (Some(_), None) => "--amp",
@@ -53,6 +64,9 @@ pub(crate) fn apply(
     let stmts_now = &info.block.stmts;
     let span_stmts = &stmts_now[span.start..=span.end];
     check_span(&span, span_stmts, amp.is_some(), flag)?;
+    if amp.is_some() {
+        check_autocast_ops(&span, span_stmts, plan.functions, flag)?;
+    }
     let later = &stmts_now[span.end + 1..];
     let micro = match accumulate {
         Some(k) => Some((k, plan_micro_batches(&tree, &step, &span, later)?)),
@@ -107,7 +121,8 @@ pub(crate) fn apply(
         let batch_norm = quote::ToTokens::to_token_stream(&*block)
             .to_string()
             .contains("batch_norm");
-        changes.extend(accumulate_changes(*k, batch, &span, batch_norm));
+        let sizes = accumulate::batch_size_names(span_stmts, batch);
+        changes.extend(accumulate_changes(*k, batch, &sizes, &span, batch_norm));
     }
 
     let step_replacement = step_stmts(&step, accumulate.is_some(), scaler.as_ref())?;
@@ -150,6 +165,7 @@ fn amp_change(lines: (usize, usize), f16: bool) -> Change {
 fn accumulate_changes(
     k: u32,
     batch: &[Ident],
+    sizes: &[Ident],
     span: &ForwardSpan,
     batch_norm: bool,
 ) -> Vec<Change> {
@@ -165,6 +181,16 @@ fn accumulate_changes(
             span.loss.ident,
         ),
     )];
+    for size in sizes {
+        changes.push(Change::over(
+            span.lines,
+            format!(
+                "--accumulate {k}: in the forward pass and loss, `{size}` reads the micro-batch's \
+                 size (tchmem::accumulate::micro_size, in `{size}`'s type), so shapes spelled \
+                 with it fit the micro-batch"
+            ),
+        ));
+    }
     if batch_norm {
         changes.push(Change::general(
             "note: batch-norm layers normalise over each micro-batch, not the whole batch, so \
@@ -253,6 +279,32 @@ fn check_form(
 
 /// Refuses a forward span that cannot move into a closure or a loop: control flow that would
 /// leave it (`return`, `break`, `?`), or, under autocast, a binding by reference.
+/// Refuses `--amp` where autocast would make libtorch refuse an op of the forward pass and loss.
+fn check_autocast_ops(
+    span: &ForwardSpan,
+    span_stmts: &[Stmt],
+    functions: &[EarlierFn],
+    flag: &str,
+) -> Result<(), Refusal> {
+    let Some((op, function)) = amp::refused_op(span_stmts, functions) else {
+        return Ok(());
+    };
+    let place = match function {
+        Some(f) => format!(" (in `{}`, a function of cell [{}])", f.name, f.run),
+        None => String::new(),
+    };
+    Err(Refusal::at(
+        span.lines.0,
+        format!(
+            "{flag} would run the forward pass and loss ({}) under autocast, and they call \
+             {op}{place}; libtorch refuses it under autocast (its reduced-precision result is \
+             unsafe). Compute the loss from the logits with {op}_with_logits (leaving out \
+             the sigmoid before it), which autocast runs in f32.",
+            span.describe_lines()
+        ),
+    ))
+}
+
 fn check_span(
     span: &ForwardSpan,
     span_stmts: &[Stmt],

@@ -147,7 +147,7 @@ fn definitions(code: &str) -> Vec<Definition> {
 }
 
 /// Every identifier in `tokens` (a superset of the names they use).
-pub(super) fn names_in(tokens: TokenStream) -> HashSet<String> {
+pub(in crate::rewrite) fn names_in(tokens: TokenStream) -> HashSet<String> {
     let mut names = HashSet::new();
     walk_tokens(tokens, &mut |tree| {
         if let TokenTree::Ident(ident) = tree {
@@ -155,6 +155,18 @@ pub(super) fn names_in(tokens: TokenStream) -> HashSet<String> {
         }
     });
     names
+}
+
+/// Every identifier of the cell (empty when it does not parse): the functions it may call, whose
+/// namespace its `let`s do not shadow (`let loss = loss(&x, &y);`).
+pub(super) fn all_names(cell: &str) -> Vec<String> {
+    cell::parse(cell)
+        .map(|parsed| {
+            names_in(parsed.block.to_token_stream())
+                .into_iter()
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The names the cell uses but does not bind itself (by a `let`, `const` or `static` in it):

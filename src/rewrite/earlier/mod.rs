@@ -25,7 +25,9 @@ mod model;
 use std::collections::HashSet;
 
 use super::{Change, Refusal};
-use definitions::{free_names, Defined, Live};
+use definitions::{all_names, free_names, Defined, Live};
+
+pub(super) use definitions::names_in as identifiers;
 use model::rebuilt_model;
 
 pub use model::{live_model, LiveModel};
@@ -63,6 +65,19 @@ pub struct Rebuilt {
     pub code: String,
 }
 
+/// A function of an earlier cell that the cell calls, directly or through another: the rewriter
+/// reads it where what the cell does depends on it (an op that autocast refuses in a loss
+/// function, say).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EarlierFn {
+    /// Its name.
+    pub name: String,
+    /// The cell it was defined in.
+    pub run: usize,
+    /// Its code, as written there.
+    pub code: String,
+}
+
 /// What a cell needs brought in from earlier cells for a given use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wanted {
@@ -95,6 +110,8 @@ pub struct Assembled {
     pub rebuilt: Vec<Rebuilt>,
     /// VarStores the cell uses that earlier cells made (`vs`): a trial keeps and restores them.
     pub var_stores: Vec<String>,
+    /// The functions of earlier cells the cell calls (not brought in: they are still defined).
+    pub functions: Vec<EarlierFn>,
 }
 
 impl Assembled {
@@ -241,6 +258,7 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         .filter(|name| matches!(live[name].2.what, Some(Defined::VarStore)))
         .collect();
     var_stores.sort();
+    let functions = called_functions(cell, &all);
 
     let mut prelude = String::new();
     for rebuilt in &rebuilt {
@@ -254,7 +272,30 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         code: format!("{prelude}{cell}"),
         rebuilt,
         var_stores,
+        functions,
     }
+}
+
+/// The functions of `live` that `cell` calls, directly or through one another, by name.
+fn called_functions(cell: &str, live: &Live) -> Vec<EarlierFn> {
+    let mut reached: Vec<EarlierFn> = Vec::new();
+    let mut todo = all_names(cell);
+    while let Some(name) = todo.pop() {
+        let Some((run, _, definition)) = live.functions.get(&name) else {
+            continue;
+        };
+        if reached.iter().any(|f| f.name == name) {
+            continue;
+        }
+        todo.extend(definition.uses.iter().cloned());
+        reached.push(EarlierFn {
+            name,
+            run: *run,
+            code: definition.code.clone(),
+        });
+    }
+    reached.sort_by(|a, b| (a.run, &a.name).cmp(&(b.run, &b.name)));
+    reached
 }
 
 #[cfg(test)]
@@ -278,6 +319,23 @@ mod tests {
     const LOOP: &str = "for (x, y) in m.train_iter(BATCH_SIZE).shuffle() {\n\
                         \x20   let loss = net.forward(&x).cross_entropy_for_logits(&y);\n\
                         \x20   opt.backward_step(&loss);\n}";
+
+    #[test]
+    fn the_functions_a_cell_calls_are_followed_through_one_another() {
+        let earlier = cells(&[
+            "fn bce(r: &Tensor, x: &Tensor) -> Tensor { r.binary_cross_entropy::<Tensor>(x, None, \
+             Reduction::Sum) }\nfn unused() {}",
+            "fn loss(r: &Tensor, x: &Tensor) -> Tensor { bce(r, x) }",
+        ]);
+        let assembled = assemble("let loss = loss(&a, &b);", &earlier, Wanted::TRIAL);
+        let called: Vec<(&str, usize)> = assembled
+            .functions
+            .iter()
+            .map(|f| (f.name.as_str(), f.run))
+            .collect();
+        assert_eq!(called, [("bce", 1), ("loss", 2)]);
+        assert!(assembled.functions[0].code.starts_with("fn bce("));
+    }
 
     #[test]
     fn the_optimizer_and_batch_const_come_from_their_cells_and_the_var_store_is_named() {
