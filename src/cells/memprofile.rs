@@ -176,7 +176,7 @@ impl<R: Runner> Cells<R> {
         }
         self.timelines.next = Some(request);
         let padded = format!("{}{}", "\n".repeat(magic_line + 1), source.body);
-        let outcome = self.run_cell_code(&padded, io);
+        let outcome = self.run_as_the_cell(&padded, io);
         self.timelines.next = None;
         outcome
     }

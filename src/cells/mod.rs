@@ -185,7 +185,7 @@ impl<R: Runner> Cells<R> {
         } else {
             let padded = format!("{}{code}", "\n".repeat(skipped));
             let output = Arc::clone(&io.output);
-            let mut outcome = self.run_cell_code(&padded, io);
+            let mut outcome = self.run_as_the_cell(&padded, io);
             // A training cell that ran out of CUDA memory: measure what would fit.
             if let Some(error) = outcome.error.as_mut() {
                 if error.ename == ErrorName::OutOfMemory && code.contains("backward") {
@@ -196,16 +196,6 @@ impl<R: Runner> Cells<R> {
             }
             outcome
         };
-        let compiled = outcome
-            .error
-            .as_ref()
-            .is_none_or(|error| error.ename != ErrorName::CompilationError);
-        if compiled && !code.trim().is_empty() {
-            self.history.push(EarlierCell {
-                run: self.runs,
-                code: code.to_string(),
-            });
-        }
         if cell_syntax::is_help_command(code) && outcome.error.is_none() {
             outcome.page = std::mem::take(&mut outcome.data);
         }

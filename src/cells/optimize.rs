@@ -198,7 +198,7 @@ impl<R: Runner> Cells<R> {
             return CellOutcome::default();
         }
         let Some(steps) = request.compare else {
-            return self.run_cell_code(&rewritten.code, io);
+            return self.run_as_the_cell(&rewritten.code, io);
         };
         let keep = &assembled.var_stores;
         if let Some(why) = compare_misleads(source.body, keep) {

@@ -53,7 +53,7 @@ impl<R: Runner> Cells<R> {
                  runs as written\n"
                     .into(),
             ));
-            return self.run_cell_code(&cell.code, io);
+            return self.run_as_the_cell(&cell.code, io);
         }
         let batch = cell.binding.value;
         let mut table = LiveTable::new(
@@ -222,7 +222,7 @@ impl<R: Runner> Cells<R> {
             return if show {
                 CellOutcome::default()
             } else {
-                self.run_cell_code(&cell.code, io)
+                self.run_as_the_cell(&cell.code, io)
             };
         }
         // A leaner optimizer replaces the one the cell steps, wherever it was built.
@@ -252,7 +252,7 @@ impl<R: Runner> Cells<R> {
         if show {
             return CellOutcome::default();
         }
-        self.run_cell_code(&rewritten.code, io)
+        self.run_as_the_cell(&rewritten.code, io)
     }
 }
 

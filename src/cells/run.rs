@@ -6,8 +6,10 @@ use std::sync::Arc;
 use tchmem_wire::memory::{Category, MemoryRecord};
 
 use super::{auto_watch, binds, oom, Cells, Runner};
+use crate::cell_error::ErrorName;
 use crate::magics::ProfileMode;
 use crate::report;
+use crate::rewrite::earlier::EarlierCell;
 use crate::session::{CellIo, CellOutcome};
 
 impl<R: Runner> Cells<R> {
@@ -35,6 +37,25 @@ impl<R: Runner> Cells<R> {
             }
         }
         self.record(&code, &mut outcome);
+        outcome
+    }
+
+    /// Runs `code` as the notebook's cell (the user's, or what a magic runs in its place), and
+    /// keeps it for later magics to follow names back to when it compiled (see
+    /// `rewrite::earlier`). Trials and compare runs use [`Self::run_cell_code`]: their code
+    /// defines nothing that lives on.
+    pub(super) fn run_as_the_cell(&mut self, code: &str, io: CellIo) -> CellOutcome {
+        let outcome = self.run_cell_code(code, io);
+        let compiled = outcome
+            .error
+            .as_ref()
+            .is_none_or(|error| error.ename != ErrorName::CompilationError);
+        if compiled && !code.trim().is_empty() {
+            self.history.push(EarlierCell {
+                run: self.runs,
+                code: code.to_string(),
+            });
+        }
         outcome
     }
 

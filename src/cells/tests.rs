@@ -335,6 +335,37 @@ fn memfit_follows_the_batch_optimizer_and_model_back_to_their_cells() {
 }
 
 #[test]
+fn what_a_magic_runs_as_the_cell_is_followed_back_to_by_later_magics() {
+    let mut cells = cells(FakeRunner::on(gpu()));
+    let shown = Shown::default();
+    for cell in SPLIT_CELLS {
+        assert_eq!(cells.execute(cell, shown.io()).error, None);
+    }
+    // A real run of a swap: the rewritten loop, with the optimizer rebuilt as Lion, is the cell.
+    let swap = format!("%%optimize --optimizer lion\n{SPLIT_LOOP}");
+    assert_eq!(cells.execute(&swap, shown.io()).error, None);
+    let shown = Shown::default();
+    let outcome = cells.execute(
+        &format!("%%optimize --show --optimizer adafactor\n{SPLIT_LOOP}"),
+        shown.io(),
+    );
+    assert_eq!(outcome.error, None);
+    let text = shown.last();
+    let swapped = SPLIT_CELLS.len() + 1;
+    assert!(
+        text.contains(&format!("the optimizer `opt` is built in cell [{swapped}]")),
+        "{text}"
+    );
+    // The optimizer the notebook now has: the Lion the real run built.
+    assert!(
+        text.contains(&format!(
+            "// from cell [{swapped}]\nlet mut opt = tchmem::optim::Lion"
+        )),
+        "{text}"
+    );
+}
+
+#[test]
 fn memfit_finds_the_largest_batch_the_simulated_allocator_takes() {
     let gpu = gpu();
     let mut cells = cells(FakeRunner::on(gpu));
