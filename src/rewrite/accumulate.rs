@@ -145,8 +145,9 @@ pub(crate) fn batch_tensors(
                 names.join(", ")
             ),
         };
-        return Err(Refusal::at(
+        return Err(Refusal::naming(
             span.lines.0,
+            span.lines,
             format!(
                 "--accumulate looks for the batch tensors that the forward pass uses: variables \
                  bound by the training loop's pattern (`for (xs, ys) in …`) or by `let` \

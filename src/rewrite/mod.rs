@@ -143,6 +143,19 @@ pub struct Refusal {
     pub message: String,
     /// The 1-based line in the cell source the message is about, when there is one.
     pub line: Option<usize>,
+    /// Lines the message names in its text ("the forward pass and loss (lines 5–6)"), so that
+    /// they move with `line` when the refusal is told in another frame (below a magic line,
+    /// after code brought from earlier cells).
+    pub named: Option<(usize, usize)>,
+}
+
+/// "line 5" or "lines 5–6".
+pub(crate) fn describe_lines((first, last): (usize, usize)) -> String {
+    if first == last {
+        format!("line {first}")
+    } else {
+        format!("lines {first}–{last}")
+    }
 }
 
 impl Refusal {
@@ -150,6 +163,7 @@ impl Refusal {
         Refusal {
             message: message.into(),
             line,
+            named: None,
         }
     }
 
@@ -157,12 +171,39 @@ impl Refusal {
         Refusal::new(message, Some(line))
     }
 
-    /// The same refusal with its line moved down by `lines` (for a cell body that starts below
-    /// a magic line).
-    pub fn shifted(self, lines: usize) -> Refusal {
+    /// A refusal at `line` whose message names `named` (written with [`describe_lines`]).
+    pub(crate) fn naming(
+        line: usize,
+        named: (usize, usize),
+        message: impl Into<String>,
+    ) -> Refusal {
         Refusal {
-            line: self.line.map(|line| line + lines),
-            ..self
+            named: Some(named),
+            ..Refusal::at(line, message)
+        }
+    }
+
+    /// The same refusal with its lines moved down by `lines` (for a cell body that starts
+    /// below a magic line).
+    pub fn shifted(self, lines: usize) -> Refusal {
+        self.moved(|line| Some(line + lines))
+    }
+
+    /// The same refusal with every line it names mapped by `to` (`None`: a line the new frame
+    /// does not have: the refusal then names no line, and its text keeps the old numbers).
+    pub fn moved(self, to: impl Fn(usize) -> Option<usize>) -> Refusal {
+        let named = self.named.and_then(|(a, b)| Some((to(a)?, to(b)?)));
+        let message = match (self.named, named) {
+            (Some(old), Some(new)) => {
+                self.message
+                    .replacen(&describe_lines(old), &describe_lines(new), 1)
+            }
+            _ => self.message,
+        };
+        Refusal {
+            line: self.line.and_then(&to),
+            named,
+            message,
         }
     }
 }

@@ -87,10 +87,7 @@ impl ForwardSpan {
 
     /// The lines, as "line N" or "lines N–M".
     pub fn describe_lines(&self) -> String {
-        match self.lines {
-            (a, b) if a == b => format!("line {a}"),
-            (a, b) => format!("lines {a}–{b}"),
-        }
+        super::describe_lines(self.lines)
     }
 }
 

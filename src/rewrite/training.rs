@@ -293,8 +293,9 @@ fn check_autocast_ops(
         Some(f) => format!(" (in `{}`, a function of cell [{}])", f.name, f.run),
         None => String::new(),
     };
-    Err(Refusal::at(
+    Err(Refusal::naming(
         span.lines.0,
+        span.lines,
         format!(
             "{flag} would run the forward pass and loss ({}) under autocast, and they call \
              {op}{place}; libtorch refuses it under autocast (its reduced-precision result is \
@@ -317,8 +318,9 @@ fn check_span(
         } else {
             "a loop over micro-batches"
         };
-        return Err(Refusal::at(
+        return Err(Refusal::naming(
             line,
+            span.lines,
             format!(
                 "{flag} moves the forward pass and loss ({}) into {into}, and {what} there \
                  would then leave it instead of the original code; move it out of those lines",
@@ -328,8 +330,9 @@ fn check_span(
     }
     if amp {
         if let Some(by_ref) = span.bound.iter().find(|b| b.by_ref) {
-            return Err(Refusal::at(
+            return Err(Refusal::naming(
                 span.lines.0,
+                span.lines,
                 format!(
                     "--amp: `ref {}` in the forward pass and loss ({}) would borrow from inside \
                      the autocast closure; bind it by value",
@@ -485,8 +488,9 @@ fn plan_micro_batches(
 ) -> Result<Vec<Ident>, Refusal> {
     let stmts = &tree.blocks[step.block].block.stmts[span.start..=span.end];
     if let Some((what, line)) = accumulate::builds_model(stmts) {
-        return Err(Refusal::at(
+        return Err(Refusal::naming(
             line,
+            span.lines,
             format!(
                 "--accumulate would repeat the forward pass and loss ({}) once per \
                  micro-batch, and they build model parts ({what}); build the model before the \
@@ -496,8 +500,9 @@ fn plan_micro_batches(
         ));
     }
     if let Some((variable, line)) = accumulate::outer_assignment(stmts) {
-        return Err(Refusal::at(
+        return Err(Refusal::naming(
             line,
+            span.lines,
             format!(
                 "--accumulate repeats the forward pass and loss ({}) once per micro-batch, \
                  and this line updates `{variable}`, which they do not bind: it would run once \
@@ -516,8 +521,9 @@ fn plan_micro_batches(
     }
     let used = used_later(&span.bound, later, &span.loss.ident);
     if let Some((name, line)) = used.first() {
-        return Err(Refusal::at(
+        return Err(Refusal::naming(
             *line,
+            span.lines,
             format!(
                 "--accumulate: `{name}` is bound by the forward pass and loss ({}) and used \
                  after the loss; with micro-batches it would hold only the last micro-batch's \

@@ -118,11 +118,9 @@ impl Assembled {
     /// `refusal` (about `code`) in the cell's own terms: a line of the cell is moved up by the
     /// prelude; a line of the prelude is named by the cell it came from.
     pub fn in_cell_terms(&self, refusal: Refusal) -> Refusal {
+        let prelude = self.prelude_lines;
         match refusal.line {
-            Some(line) if line > self.prelude_lines => Refusal {
-                line: Some(line - self.prelude_lines),
-                ..refusal
-            },
+            Some(line) if line > prelude => refusal.moved(|line| line.checked_sub(prelude)),
             Some(line) => {
                 let from = self.rebuilt_at(line).map_or(String::new(), |rebuilt| {
                     format!(" (`{}`, brought from cell [{}])", rebuilt.name, rebuilt.run)
@@ -366,6 +364,13 @@ mod tests {
         // Refusals: a line of the cell moves up, a line of the prelude names its cell.
         let moved = assembled.in_cell_terms(Refusal::at(6, "here"));
         assert_eq!(moved.line, Some(2));
+        // Lines the message names move with it, here and below a magic line.
+        let named = Refusal::naming(6, (6, 7), "the forward pass and loss (lines 6–7) call it");
+        let moved = assembled.in_cell_terms(named).shifted(1);
+        assert_eq!(
+            moved.to_string(),
+            "line 3: the forward pass and loss (lines 3–4) call it"
+        );
         let brought = assembled.in_cell_terms(Refusal::at(4, "no"));
         assert_eq!(
             (brought.line, brought.message.as_str()),
