@@ -178,6 +178,7 @@ mod tests {
                         peak_allocated: peak,
                         peak_reserved: peak + peak / 10,
                         step_seconds: plain.step_seconds * speed,
+                        step_range: (plain.step_range.0 * speed, plain.step_range.1 * speed),
                         ..plain
                     },
                 )

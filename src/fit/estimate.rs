@@ -128,6 +128,48 @@ pub struct Prediction {
     pub peak_reserved: u64,
     /// Step time, in seconds (for K micro-batches, K forward + backward passes).
     pub step_seconds: f64,
+    /// How sure the step time is: see [`StepTime`].
+    pub step_time: StepTime,
+}
+
+/// A step time below this is told as a range: launches, synchronisation and the allocator's
+/// growth weigh as much as the work there, and vary from step to step (on the H200, steps of
+/// 3-75 ms predicted from one line through two short trials missed by up to 3x either way).
+pub const SHORT_STEP_SECONDS: f64 = 0.020;
+
+/// The predicted step time as a range, from lines through the calibration trials' fastest and
+/// slowest steps (the median's line between them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepTime {
+    /// The lower end, in seconds.
+    pub low: f64,
+    /// The upper end, in seconds.
+    pub high: f64,
+    /// Whether the trials' steps barely grew with the batch: the step is bound by kernel
+    /// launches and fixed costs, not by the batch's work.
+    pub launch_bound: bool,
+}
+
+impl StepTime {
+    /// Whether the prediction is a range rather than a number: a short or launch-bound step,
+    /// or trials whose steps varied by more than a quarter.
+    pub fn is_range(&self) -> bool {
+        self.launch_bound || self.low < SHORT_STEP_SECONDS || self.high > self.low * 1.25
+    }
+
+    /// "12.0-30.5 ms", or "41.2 ms" around `point` when it is not a range.
+    pub fn describe(&self, point: f64) -> String {
+        if self.is_range() {
+            format!("{:.1}-{:.1} ms", self.low * 1e3, self.high * 1e3)
+        } else {
+            format!("{:.1} ms", point * 1e3)
+        }
+    }
+
+    /// Whether `seconds` falls in the range (a tenth of slack either side).
+    pub fn holds(&self, seconds: f64) -> bool {
+        seconds >= self.low * 0.9 && seconds <= self.high * 1.1
+    }
 }
 
 impl Calibration {
@@ -173,14 +215,35 @@ impl Calibration {
         let largest_above = above(largest.peak_allocated, largest).max(1.0);
         let cache = largest.peak_reserved.saturating_sub(largest.peak_allocated) as f64
             * (loop_peak as f64 / largest_above);
-        let seconds_points: Vec<(f64, f64)> = self
-            .points
-            .iter()
-            .map(|(b, m)| (*b as f64, m.step_seconds))
-            .collect();
-        let seconds = Line::through(&seconds_points, 0.0)
-            .map_or(largest.step_seconds, |l| l.value_at(micro as f64))
-            * accumulate as f64;
+        let seconds_at = |pick: fn(&Measured) -> f64| {
+            let points: Vec<(f64, f64)> = self
+                .points
+                .iter()
+                .map(|(b, m)| (*b as f64, pick(m)))
+                .collect();
+            Line::through(&points, 0.0).map_or(pick(largest), |l| l.value_at(micro as f64))
+                * accumulate as f64
+        };
+        let seconds = seconds_at(|m| m.step_seconds);
+        let low = seconds_at(|m| m.step_range.0).min(seconds);
+        let high = seconds_at(|m| m.step_range.1).max(seconds);
+        // Doubling the batch (or so) added under a quarter to the fastest step.
+        let launch_bound = match self.points.as_slice() {
+            [(b1, m1), (b2, m2), ..] if b2 > b1 => m2.step_range.0 < m1.step_range.0 * 1.25,
+            _ => false,
+        };
+        // Launch-bound, a step is no faster than the smaller trial's fastest.
+        let low = match self.points.first() {
+            Some((_, m)) if launch_bound => {
+                low.max(m.step_range.0 * accumulate as f64).min(seconds)
+            }
+            _ => low,
+        };
+        let step_time = StepTime {
+            low,
+            high,
+            launch_bound,
+        };
         let peak_allocated = scenario.begin + loop_peak;
         let categories = vec![
             category(
@@ -229,6 +292,7 @@ impl Calibration {
             peak_allocated,
             peak_reserved: peak_allocated + cache.round() as u64,
             step_seconds: seconds,
+            step_time,
         })
     }
 }
@@ -281,6 +345,7 @@ pub(crate) mod tests {
             forward_backward: Some(begin + fb),
             step: Some(begin + step),
             step_seconds: 0.01 + 0.002 * batch as f64,
+            step_range: (0.01 + 0.002 * batch as f64, 0.01 + 0.002 * batch as f64),
             losses: vec![1.0, 0.9, 0.8],
             parameters: shapes(),
         }
@@ -403,5 +468,42 @@ pub(crate) mod tests {
         assert_eq!(calibration_batches(4), vec![1, 2]);
         assert_eq!(fallback_batch(16), Some(8));
         assert_eq!(fallback_batch(1), None);
+    }
+
+    #[test]
+    fn step_time_is_a_number_when_steps_scale_and_agree_and_a_range_otherwise() {
+        // Steady steps that grow with the batch, 26 and 42 ms: 74 ms at 32, a number.
+        let calibration = calibrated(&[8, 16]);
+        let prediction = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!((prediction.step_seconds - 0.074).abs() < 1e-9);
+        let time = prediction.step_time;
+        assert!(!time.launch_bound && !time.is_range(), "{time:?}");
+        assert_eq!(time.describe(prediction.step_seconds), "74.0 ms");
+
+        // Short steps that barely grow with the batch, one slow step each (cifar on the H200):
+        // launch-bound, a range from the fastest steps' line (no lower than the smaller
+        // trial's fastest) to the slowest steps'.
+        let mut calibration = calibrated(&[16, 32]);
+        for ((_, m), (median, range)) in calibration
+            .points
+            .iter_mut()
+            .zip([(0.0064, (0.0055, 0.0073)), (0.0121, (0.0062, 0.0180))])
+        {
+            m.step_seconds = median;
+            m.step_range = range;
+        }
+        let prediction = calibration
+            .predict(&scenario(64, 1, OptimizerRule::Adam))
+            .unwrap();
+        let time = prediction.step_time;
+        assert!(time.launch_bound && time.is_range(), "{time:?}");
+        assert!((time.low - 0.0076).abs() < 1e-9, "{time:?}");
+        assert!((time.high - 0.0394).abs() < 1e-9, "{time:?}");
+        // The check trial's 8.0 ms at 64 falls in it; the median's line alone said 23.6 ms.
+        assert!(time.holds(0.008), "{time:?}");
+        assert!(!time.holds(0.002), "{time:?}");
+        assert_eq!(time.describe(prediction.step_seconds), "7.6-39.4 ms");
     }
 }

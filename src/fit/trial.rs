@@ -24,6 +24,9 @@ pub struct Measured {
     pub step: Option<u64>,
     /// Median step time after the first step, in seconds.
     pub step_seconds: f64,
+    /// The fastest and slowest step after the first, in seconds (the median twice when only
+    /// one step was timed).
+    pub step_range: (f64, f64),
     /// The loss of each step.
     pub losses: Vec<f64>,
     /// The model's trainable parameters.
@@ -41,6 +44,9 @@ impl Measured {
             forward_backward: run.phase_peaks.as_ref().map(|p| p.forward_backward),
             step: run.phase_peaks.as_ref().map(|p| p.step),
             step_seconds: run.typical_step_seconds()?,
+            step_range: run
+                .step_range_seconds()
+                .or_else(|| run.typical_step_seconds().map(|t| (t, t)))?,
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
         })

@@ -230,9 +230,19 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             .map(|(i, t)| trial_row(i + 1, t, "calibration"))
             .collect(),
     };
+    let step_time = &view.prediction.step_time;
+    let predicted_step = step_time.describe(view.prediction.step_seconds);
+    let why_range = if step_time.launch_bound {
+        ": launch-bound (the calibration trials' steps barely grew with the batch), so the \
+         step costs about the same at other batches and varies from step to step"
+    } else if step_time.is_range() {
+        ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
+         with launches and the allocator's growth)"
+    } else {
+        ""
+    };
     let step = format!(
-        "predicted step time {:.1} ms (micro-batch {})",
-        view.prediction.step_seconds * 1e3,
+        "predicted step time {predicted_step} (micro-batch {}){why_range}",
         view.prediction.micro_batch
     );
     let measured = view.check.and_then(|t| t.outcome.measured());
@@ -242,7 +252,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     let check = match (view.check, measured) {
         (Some(_), Some(m)) => format!(
             "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
-             reserved {} (predicted {}, {:+.1}%), step {:.1} ms (predicted {:.1} ms).",
+             reserved {} (predicted {}, {:+.1}%), step {:.1} ms (predicted {predicted_step}{}).",
             human_bytes(m.peak_allocated),
             human_bytes(view.prediction.peak_allocated),
             error(view.prediction.peak_allocated, m.peak_allocated) * 100.0,
@@ -250,7 +260,11 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             human_bytes(view.prediction.peak_reserved),
             error(view.prediction.peak_reserved, m.peak_reserved) * 100.0,
             m.step_seconds * 1e3,
-            view.prediction.step_seconds * 1e3,
+            match (step_time.is_range(), step_time.holds(m.step_seconds)) {
+                (true, true) => ": within",
+                (true, false) => ": outside",
+                (false, _) => "",
+            },
         ),
         (Some(trial), None) => format!(
             "\nChecked by a trial at the batch: it {}.",
@@ -298,6 +312,9 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "capacity": view.capacity,
             "fits": total <= view.capacity,
             "step_seconds": view.prediction.step_seconds,
+            "step_seconds_low": step_time.low,
+            "step_seconds_high": step_time.high,
+            "launch_bound": step_time.launch_bound,
             "micro_batch": view.prediction.micro_batch,
             "categories": categories,
             "measured_peak_allocated": measured.map(|m| m.peak_allocated),
