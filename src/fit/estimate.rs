@@ -157,9 +157,12 @@ impl StepTime {
         self.launch_bound || self.low < SHORT_STEP_SECONDS || self.high > self.low * 1.25
     }
 
-    /// "12.0-30.5 ms", or "41.2 ms" around `point` when it is not a range.
+    /// "12.0-30.5 ms", "about 10.2 ms" for a range the trials did not widen, or "41.2 ms"
+    /// around `point` when it is not a range.
     pub fn describe(&self, point: f64) -> String {
-        if self.is_range() {
+        if self.is_range() && self.high <= self.low * 1.02 {
+            format!("about {:.1} ms", point * 1e3)
+        } else if self.is_range() {
             format!("{:.1}-{:.1} ms", self.low * 1e3, self.high * 1e3)
         } else {
             format!("{:.1} ms", point * 1e3)
@@ -232,12 +235,14 @@ impl Calibration {
             [(b1, m1), (b2, m2), ..] if b2 > b1 => m2.step_range.0 < m1.step_range.0 * 1.25,
             _ => false,
         };
-        // Launch-bound, a step is no faster than the smaller trial's fastest.
-        let low = match self.points.first() {
-            Some((_, m)) if launch_bound => {
-                low.max(m.step_range.0 * accumulate as f64).min(seconds)
-            }
-            _ => low,
+        // Launch-bound, a step is no faster than the smaller trial's fastest, and past the
+        // larger trial's batch the work may take over: up to time in proportion to the batch.
+        let (low, high) = match (self.points.first(), self.points.last()) {
+            (Some((_, small)), Some((b2, large))) if launch_bound => (
+                low.max(small.step_range.0 * accumulate as f64).min(seconds),
+                high.max(large.step_range.0 * micro as f64 / *b2 as f64 * accumulate as f64),
+            ),
+            _ => (low, high),
         };
         let step_time = StepTime {
             low,
@@ -505,5 +510,18 @@ pub(crate) mod tests {
         assert!(time.holds(0.008), "{time:?}");
         assert!(!time.holds(0.002), "{time:?}");
         assert_eq!(time.describe(prediction.step_seconds), "7.6-39.4 ms");
+
+        // Launch-bound at the calibration batches is not launch-bound at any batch: min-gpt on
+        // the H200 took 42-44 ms at 32 and 64, and 74.6 ms at 128.
+        for ((_, m), fastest) in calibration.points.iter_mut().zip([0.042, 0.043]) {
+            m.step_seconds = fastest;
+            m.step_range = (fastest, fastest);
+        }
+        let time = calibration
+            .predict(&scenario(128, 1, OptimizerRule::Adam))
+            .unwrap()
+            .step_time;
+        assert!(time.launch_bound && time.holds(0.0746), "{time:?}");
+        assert!((time.high - 0.043 * 4.0).abs() < 1e-9, "{time:?}");
     }
 }

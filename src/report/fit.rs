@@ -233,8 +233,9 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     let step_time = &view.prediction.step_time;
     let predicted_step = step_time.describe(view.prediction.step_seconds);
     let why_range = if step_time.launch_bound {
-        ": launch-bound (the calibration trials' steps barely grew with the batch), so the \
-         step costs about the same at other batches and varies from step to step"
+        ": launch-bound at the calibration batches (their steps barely grew with the batch): \
+         from their fastest step to time in proportion to the batch, where the work may take \
+         over"
     } else if step_time.is_range() {
         ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
          with launches and the allocator's growth)"
