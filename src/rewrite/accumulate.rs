@@ -348,11 +348,7 @@ pub(crate) fn batch_size_names(body: &[Stmt], batch: &[Ident]) -> Vec<Ident> {
             if let Some(ident) = e.path.get_ident() {
                 let name = ident.to_string();
                 let lower = name.to_lowercase();
-                let constant = name
-                    .chars()
-                    .all(|c| c.is_uppercase() || c == '_' || c.is_ascii_digit());
-                if lower.contains("batch")
-                    && (constant || lower.contains("size"))
+                if (lower == "batch" || (lower.contains("batch") && lower.contains("size")))
                     && !self.0.contains(ident)
                 {
                     self.0.push(ident.clone());

@@ -510,6 +510,13 @@ fn rewrite_accumulate_runs_recurrent_nets_per_micro_batch_and_reads_the_micro_ba
         "{code}"
     );
     assert_parses(code, "micro-batch size");
+    // A count of batches keeps its value.
+    let counted = src.replace(
+        "view([BATCH_SIZE * SEQ_LEN, labels])",
+        "view([-1, labels]).g_mul_scalar(NUM_BATCHES)",
+    );
+    let code = rewrite_ok(&counted, "--accumulate 2").code;
+    assert!(code.contains("g_mul_scalar(NUM_BATCHES)"), "{code}");
 }
 
 #[test]
