@@ -36,6 +36,7 @@ pub struct Measured {
 impl Measured {
     /// The measurements of a compare run; `None` if it made no step.
     pub fn of(run: &CompareRun) -> Option<Measured> {
+        let typical = run.typical_step_seconds()?;
         Some(Measured {
             cuda: run.peak_allocated.is_some(),
             begin: run.allocated_at_begin.unwrap_or(0),
@@ -43,10 +44,8 @@ impl Measured {
             peak_reserved: run.peak_reserved.unwrap_or(0),
             forward_backward: run.phase_peaks.as_ref().map(|p| p.forward_backward),
             step: run.phase_peaks.as_ref().map(|p| p.step),
-            step_seconds: run.typical_step_seconds()?,
-            step_range: run
-                .step_range_seconds()
-                .or_else(|| run.typical_step_seconds().map(|t| (t, t)))?,
+            step_seconds: typical,
+            step_range: run.step_range_seconds().unwrap_or((typical, typical)),
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
         })

@@ -269,13 +269,20 @@ pub(crate) fn builds_model(stmts: &[Stmt]) -> Option<(String, usize)> {
     finder.0
 }
 
+/// How a batch is split: into `k` micro-batches of the `batch` tensors, with the names the
+/// forward pass and loss use for the batch size (`sizes`, see [`batch_size_names`]).
+pub(crate) struct MicroPlan {
+    pub k: u32,
+    pub batch: Vec<Ident>,
+    pub sizes: Vec<Ident>,
+}
+
 /// What replaces the span: `opt.zero_grad();` and the micro-batch loop that binds the loss.
 /// `body` is the span (already under autocast if mixed precision is on); with a grad scaler,
 /// the backward pass is scaled. Each micro-batch's forward and backward pass is marked
 /// (`tchmem::phase`; see `phases`).
 pub(crate) fn micro_batches(
-    k: u32,
-    batch: &[Ident],
+    plan: &MicroPlan,
     body: &[Stmt],
     span: &ForwardSpan,
     opt: &Ident,
@@ -290,14 +297,14 @@ pub(crate) fn micro_batches(
         sum,
         micro_size,
     } = names;
+    let MicroPlan { k, batch, sizes } = plan;
     let mut body = body.to_vec();
-    let sizes = batch_size_names(&body, batch);
     // Inside a micro-batch the batch size is the micro-batch's (`view([BATCH_SIZE * T, C])`),
     // in the batch size's own type.
     let size_of_micro = match (sizes.first(), batch.first()) {
         (Some(whole), Some(first)) => {
             let mut rename = Rename {
-                from: &sizes,
+                from: sizes,
                 to: micro_size,
             };
             body.iter_mut().for_each(|s| rename.visit_stmt_mut(s));
@@ -311,7 +318,7 @@ pub(crate) fn micro_batches(
     } else {
         quote!(#loss)
     };
-    let k = proc_macro2::Literal::u32_unsuffixed(k);
+    let k = proc_macro2::Literal::u32_unsuffixed(*k);
     let backward = match scaler {
         Some(scaler) => quote!(#scaler.scale(&#scaled).backward();),
         None => quote!(#scaled.backward();),
@@ -339,8 +346,9 @@ pub(crate) fn micro_batches(
 }
 
 /// The names in `body` that stand for the batch size: a variable or constant read but not bound
-/// there, not a batch tensor, whose name says batch and size (`BATCH_SIZE`, `batch_size`,
-/// `BATCH`: a constant's capitals say "size" in that position), in order of first use.
+/// there, not a batch tensor, whose name says batch and size (`BATCH_SIZE`, `batch_size`), or is
+/// `batch`/`BATCH` itself, in order of first use. Not `NUM_BATCHES` or `batch_idx`: counts of
+/// batches keep their value.
 pub(crate) fn batch_size_names(body: &[Stmt], batch: &[Ident]) -> Vec<Ident> {
     struct Finder(Vec<Ident>);
     impl<'a> Visit<'a> for Finder {

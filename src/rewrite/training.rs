@@ -5,7 +5,7 @@ use proc_macro2::Ident;
 use quote::quote;
 use syn::{Block, Stmt};
 
-use super::accumulate::{self, Generated};
+use super::accumulate::{self, Generated, MicroPlan};
 use super::amp;
 use super::change::Change;
 use super::earlier::EarlierFn;
@@ -69,7 +69,7 @@ pub(crate) fn apply(
     }
     let later = &stmts_now[span.end + 1..];
     let micro = match accumulate {
-        Some(k) => Some((k, plan_micro_batches(&tree, &step, &span, later)?)),
+        Some(k) => Some(plan_micro_batches(k, &tree, &step, &span, later)?),
         None => None,
     };
 
@@ -107,11 +107,10 @@ pub(crate) fn apply(
         changes.push(amp_change(span.lines, f16));
     }
     let mut replacement = body;
-    if let Some((k, batch)) = &micro {
+    if let Some(plan) = &micro {
         let generated = Generated::new(names);
         replacement = accumulate::micro_batches(
-            *k,
-            batch,
+            plan,
             &replacement,
             &span,
             &step.opt,
@@ -121,8 +120,7 @@ pub(crate) fn apply(
         let batch_norm = quote::ToTokens::to_token_stream(&*block)
             .to_string()
             .contains("batch_norm");
-        let sizes = accumulate::batch_size_names(span_stmts, batch);
-        changes.extend(accumulate_changes(*k, batch, &sizes, &span, batch_norm));
+        changes.extend(accumulate_changes(plan, &span, batch_norm));
     }
 
     let step_replacement = step_stmts(&step, accumulate.is_some(), scaler.as_ref())?;
@@ -162,13 +160,8 @@ fn amp_change(lines: (usize, usize), f16: bool) -> Change {
 }
 
 /// What `--accumulate K` did, for the list of changes (and what it changes for batch norm).
-fn accumulate_changes(
-    k: u32,
-    batch: &[Ident],
-    sizes: &[Ident],
-    span: &ForwardSpan,
-    batch_norm: bool,
-) -> Vec<Change> {
+fn accumulate_changes(plan: &MicroPlan, span: &ForwardSpan, batch_norm: bool) -> Vec<Change> {
+    let MicroPlan { k, batch, sizes } = plan;
     let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
     let mut changes = vec![Change::over(
         span.lines,
@@ -277,8 +270,6 @@ fn check_form(
     Ok(())
 }
 
-/// Refuses a forward span that cannot move into a closure or a loop: control flow that would
-/// leave it (`return`, `break`, `?`), or, under autocast, a binding by reference.
 /// Refuses `--amp` where autocast would make libtorch refuse an op of the forward pass and loss.
 fn check_autocast_ops(
     span: &ForwardSpan,
@@ -306,6 +297,8 @@ fn check_autocast_ops(
     ))
 }
 
+/// Refuses a forward span that cannot move into a closure or a loop: control flow that would
+/// leave it (`return`, `break`, `?`), or, under autocast, a binding by reference.
 fn check_span(
     span: &ForwardSpan,
     span_stmts: &[Stmt],
@@ -479,13 +472,15 @@ fn add_scaler(
     Ok(())
 }
 
-/// The batch tensors to split, after checking that micro-batching keeps the loop's meaning.
+/// The split into `k` micro-batches (the batch tensors, the names of the batch size), after
+/// checking that micro-batching keeps the loop's meaning.
 fn plan_micro_batches(
+    k: u32,
     tree: &Tree,
     step: &Step,
     span: &ForwardSpan,
     later: &[Stmt],
-) -> Result<Vec<Ident>, Refusal> {
+) -> Result<MicroPlan, Refusal> {
     let stmts = &tree.blocks[step.block].block.stmts[span.start..=span.end];
     if let Some((what, line)) = accumulate::builds_model(stmts) {
         return Err(Refusal::naming(
@@ -532,7 +527,9 @@ fn plan_micro_batches(
             ),
         ));
     }
-    accumulate::batch_tensors(tree, step.block, span)
+    let batch = accumulate::batch_tensors(tree, step.block, span)?;
+    let sizes = accumulate::batch_size_names(stmts, &batch);
+    Ok(MicroPlan { k, batch, sizes })
 }
 
 /// What replaces the step statement when the step is restructured (`None`: keep it).
