@@ -103,6 +103,40 @@ def test_a_model_of_impl_trait_type_is_kept_for_later_cells(kernel):
     assert result_text(messages) == "([2, 8], false)"
 
 
+def test_closures_bound_at_a_cells_top_level_are_kept_for_later_cells(kernel):
+    """A closure's type cannot be written, so evcxr cannot keep it: the kernel asks the compiler
+    its signature and whether it is Fn or FnMut, and keeps it boxed (untyped parameters typed as
+    the compiler inferred them); later cells call it as they would the closure."""
+    _, kc = kernel
+    reply, messages = execute(
+        kc,
+        "use tch::{Device, Kind, Tensor};\n"
+        "let scale = 3.0;\n"
+        "let scaled = move |x: &Tensor, shift| -> Tensor { x * scale + shift };\n"
+        "let _ = scaled(&Tensor::ones([2], (Kind::Float, Device::Cpu)), 1.5);\n"
+        "let mut calls = 0;\n"
+        "let mut count = move || { calls += 1; calls };",
+    )
+    assert reply["status"] == "ok", reply
+    stderr = stream_text(messages, "stderr")
+    assert "kept as `Box<dyn Fn(&tch::Tensor, f64) -> tch::Tensor>`" in stderr, stderr
+    assert "kept as `Box<dyn FnMut() -> i32>`" in stderr, stderr
+    reply, messages = execute(
+        kc,
+        "let ys = scaled(&Tensor::ones([2], (Kind::Float, Device::Cpu)), 0.5);\n"
+        "count();\n"
+        "(Vec::<f32>::try_from(ys).unwrap(), count())",
+    )
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "([3.5, 3.5], 2)"
+
+    # A closure whose parameter types nothing says: the compiler cannot name them either, and
+    # says what to write.
+    reply, _ = execute(kc, "let unknown = |x| x;")
+    assert reply["status"] == "error"
+    assert "explicit type" in "\n".join(reply["traceback"]), reply
+
+
 # The exploratory pattern: the batch in one cell, the model and its optimizer in the next, the
 # loop alone after them, run once, then compared and estimated.
 SPLIT_BATCH = "const BATCH_SIZE: i64 = 16;"

@@ -3,6 +3,7 @@
 //! (magics, records, rewrites) is the `cells` layer's, which drives it through [`Runner`].
 
 mod cell_build;
+mod closures;
 mod completion;
 mod context;
 pub mod control;
@@ -108,6 +109,65 @@ fn opaque_boxed(code: &str, message: &str, output: &OutputSink) -> Option<String
     ));
     Some(boxed)
 }
+
+/// When evcxr refuses to keep a closure bound at the cell's top level: the cell with it boxed
+/// (see [`closures`]), after two compiles that run nothing ask rustc its signature and which
+/// call trait it implements, and after telling the user; `None` when the compiler cannot name the
+/// signature (the user's error then stands).
+fn closure_boxed(
+    context: &mut CommandContext,
+    code: &str,
+    message: &str,
+    output: &OutputSink,
+) -> Option<String> {
+    let variable = closures::closure_variable(message)?;
+    let found = closures::find(code, variable)?;
+    let probe = context.execute(&closures::signature_probe(code, variable, found.arity()));
+    let Err(evcxr::Error::CompilationErrors(errors)) = probe else {
+        tracing::debug!(
+            "closure probe: no compile errors to read: {:?}",
+            probe.err()
+        );
+        return None;
+    };
+    tracing::debug!(
+        "closure probe: {:?}",
+        errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
+    );
+    let signature = errors
+        .iter()
+        .find(|e| e.code() == Some("E0308"))
+        .and_then(|e| closures::signature(&e.rendered()))?;
+    let callable = closures::Callable::Fn;
+    let probe = closures::callable_probe(code, variable, found.arity(), callable);
+    let callable = match context.execute(&probe) {
+        Ok(_) => callable,
+        Err(evcxr::Error::CompilationErrors(errors)) => {
+            let rendered: Vec<String> = errors.iter().map(|e| e.rendered()).collect();
+            tracing::debug!("closure callable probe: {rendered:?}");
+            rendered
+                .iter()
+                .find_map(|r| closures::Callable::from_e0525(r))?
+        }
+        Err(other) => {
+            tracing::debug!("closure callable probe: {other}");
+            return None;
+        }
+    };
+    let kept_as = closures::kept_as(&signature, callable);
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: `{variable}` is a closure, whose type cannot be named to keep it between \
+             cells: it is kept as `{kept_as}`\n"
+        ),
+    ));
+    Some(closures::boxed(code, &found, &signature, callable))
+}
+
+/// How many times a cell is run again with a variable evcxr cannot keep typed or boxed (one
+/// variable per round).
+const MAX_KEEP_ROUNDS: usize = 8;
 
 /// The file in a compile directory that says its dependencies were checked (see
 /// `Session::check_dependencies`).
@@ -287,13 +347,18 @@ impl Session {
         tracing::debug!("evcxr compiled and ran the cell in {:?}", started.elapsed());
         // The code compile errors point into: the cell, or the cell with types written out.
         let mut compiled = std::borrow::Cow::Borrowed(code);
-        if let Err(evcxr::Error::Message(message)) = &result {
-            let retried = typed_by_compiler(context, code, message, &io.output)
-                .or_else(|| opaque_boxed(code, message, &io.output));
-            if let Some(retried) = retried {
-                result = context.execute_with_callbacks(&retried, &mut callbacks);
-                compiled = retried.into();
-            }
+        for _ in 0..MAX_KEEP_ROUNDS {
+            let Err(evcxr::Error::Message(message)) = &result else {
+                break;
+            };
+            let retried = typed_by_compiler(context, &compiled, message, &io.output)
+                .or_else(|| opaque_boxed(&compiled, message, &io.output))
+                .or_else(|| closure_boxed(context, &compiled, message, &io.output));
+            let Some(retried) = retried else {
+                break;
+            };
+            result = context.execute_with_callbacks(&retried, &mut callbacks);
+            compiled = retried.into();
         }
         self.control.set_running(false);
         // A crash, an interrupt, or evcxr's :restart / :clear: a new child needs setting up.
