@@ -51,7 +51,7 @@ impl<R: Runner> Cells<R> {
         if !full.is_empty() {
             let with_model = self.with_rebuilt_model(&cell, &full);
             let assembled = with_model.as_ref().unwrap_or(&cell.assembled);
-            if let Err(refusal) = rewrite::rewrite(&assembled.code, &full, &assembled.functions) {
+            if let Err(refusal) = rewrite::rewrite(&assembled.code, &full, &assembled.known) {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,
                     format!(

@@ -178,7 +178,7 @@ impl<R: Runner> Cells<R> {
             },
         );
         let mut rewritten =
-            match rewrite::rewrite(&assembled.code, &request.options, &assembled.functions) {
+            match rewrite::rewrite(&assembled.code, &request.options, &assembled.known) {
                 Ok(rewritten) => rewritten,
                 Err(refusal) => {
                     return fail(refused(

@@ -234,7 +234,7 @@ impl<R: Runner> Cells<R> {
                 model: winner.checkpoint.is_some(),
             },
         );
-        let mut rewritten = match rewrite::rewrite(&assembled.code, winner, &assembled.functions) {
+        let mut rewritten = match rewrite::rewrite(&assembled.code, winner, &assembled.known) {
             Ok(rewritten) => rewritten,
             Err(refusal) => {
                 return fail(CellError::new(

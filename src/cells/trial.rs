@@ -159,7 +159,7 @@ impl<R: Runner> Cells<R> {
         let sized = batch::replace(&assembled.code, &binding, batch);
         // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
         // loop as written goes through it too; if it will not mark them, the loop runs as is.
-        let code = match rewrite::rewrite(&sized, options, &assembled.functions) {
+        let code = match rewrite::rewrite(&sized, options, &assembled.known) {
             Ok(rewritten) => rewritten.code,
             Err(_) if options.is_empty() => sized,
             Err(refusal) => return Err(refused(refusal)),

@@ -9,8 +9,9 @@ use syn::{Block, Expr};
 
 use super::cell::line_of;
 use super::change::Change;
+use super::earlier::{ModelKind, ModelOrigin};
 use super::span::FORWARD_METHODS;
-use super::syntax::{is_nn_path, strip_parens};
+use super::syntax::{as_ident, as_ref_ident, is_nn_path, strip_parens};
 use super::Refusal;
 
 /// `nn::seq()` or `nn::seq_t()` (the function's name), if `expr` is one of those calls.
@@ -54,10 +55,12 @@ fn chain_root(mut expr: &Expr) -> Option<&'static str> {
     }
 }
 
-/// Rewrites every `nn::seq()`/`nn::seq_t()` builder in the cell.
+/// Rewrites every `nn::seq()`/`nn::seq_t()` builder in the cell. `models` are the models of
+/// earlier cells the cell uses that cannot be rebuilt: a refusal says what they are.
 pub(crate) fn apply(
     block: &mut Block,
     segments: Option<u32>,
+    models: &[ModelOrigin],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let mut rewriter = Rewriter {
@@ -66,25 +69,26 @@ pub(crate) fn apply(
     };
     rewriter.visit_block_mut(block);
     if rewriter.found.is_empty() {
-        let (line, struct_model) = model_hints(block);
-        let struct_note = match struct_model {
-            Some(name) => format!(
-                " (`{name}` implements Module in this cell: build the layers it runs with \
-                 tchmem::checkpoint::seq() to checkpoint them)"
+        let hints = model_hints(block);
+        let known = hints
+            .model
+            .as_ref()
+            .and_then(|name| models.iter().find(|m| &m.name == name))
+            .map(why_not)
+            .or_else(|| hints.struct_model.as_deref().map(why_not_struct));
+        let message = match known {
+            Some(why) => format!(
+                "--checkpoint cannot checkpoint {why} (--checkpoint rewrites models built with \
+                 nn::seq() or nn::seq_t() in this cell, or by earlier cells and their functions)"
             ),
-            None => String::new(),
+            None => "--checkpoint looks for a model built with nn::seq() or nn::seq_t() in \
+                     this cell, or by a `let` of an earlier cell (and the functions of earlier \
+                     cells it calls) that the cell uses; found none. A model of another kind is \
+                     checkpointed where it is built: its layers in tchmem::checkpoint::seq() or \
+                     seq_t() (as nn::seq() / nn::seq_t())."
+                .to_string(),
         };
-        return Err(Refusal::new(
-            format!(
-                "--checkpoint looks for a model built with nn::seq() or nn::seq_t() in this \
-                 cell, or by a `let` of an earlier cell (and the functions of earlier cells it \
-                 calls) that the cell uses; found none{struct_note}. A model of another kind (a \
-                 struct implementing Module, an LSTM) is checkpointed where its forward runs: \
-                 wrap the layers to recompute in tchmem::checkpoint::checkpoint(|x| …, &x), or \
-                 build them with tchmem::checkpoint::seq()."
-            ),
-            line,
-        ));
+        return Err(Refusal::new(message, hints.forward));
     }
     let how = match segments {
         Some(n) => format!("{n} segment{}", if n == 1 { "" } else { "s" }),
@@ -161,18 +165,76 @@ impl VisitMut for Rewriter {
     }
 }
 
-/// Where the model runs (the first forward call), and the name of a struct implementing
-/// `Module`/`ModuleT` in the cell, for the refusal.
-fn model_hints(block: &Block) -> (Option<usize>, Option<String>) {
-    #[derive(Default)]
-    struct Finder {
-        forward: Option<usize>,
-        struct_model: Option<String>,
+/// Why a model of an earlier cell cannot be checkpointed, and what would let it (after
+/// "cannot checkpoint").
+fn why_not(model: &ModelOrigin) -> String {
+    let (name, run) = (&model.name, model.run);
+    match &model.kind {
+        ModelKind::Struct {
+            name: ty,
+            run: impl_run,
+        } => format!(
+            "`{name}` (cell [{run}]): it is a `{ty}`, a struct (its forward in cell \
+             [{impl_run}]) whose layers are its fields, out of reach of a rewrite of the loop. \
+             {}",
+            struct_fix(ty)
+        ),
+        ModelKind::Recurrent { function } => format!(
+            "`{name}` (cell [{run}]): an nn::{function} runs the whole sequence in one call, \
+             with no layers to recompute one by one, and recomputing the call whole keeps what \
+             it saves. --amp bf16 and --accumulate reduce this loop's activations."
+        ),
+        ModelKind::Library { function } => format!(
+            "`{name}` (cell [{run}]): it is built by `{function}`, a function the notebook did \
+             not define, whose layers are out of reach. Paste the function's code into a cell \
+             (tch's vision models build theirs with nn::seq_t(), which --checkpoint rewrites in \
+             functions of earlier cells)."
+        ),
     }
+}
+
+/// Why a struct model of this cell cannot be checkpointed, and what would let it.
+fn why_not_struct(ty: &str) -> String {
+    format!(
+        "`{ty}` (a struct implementing Module in this cell): its layers are its fields, out of \
+         reach of a rewrite of the loop. {}",
+        struct_fix(ty)
+    )
+}
+
+/// The change that lets a struct model be checkpointed.
+fn struct_fix(ty: &str) -> String {
+    format!(
+        "To checkpoint it, hold the layers its forward runs one after another in one field \
+         built with tchmem::checkpoint::seq_t() in `{ty}`'s constructor (`.add(layer)`, and \
+         `.add_fn(|x| …)` for what runs between layers) and apply that field in the forward \
+         (`xs.apply_t(&self.layers, train)`): the model is then checkpointed wherever it runs."
+    )
+}
+
+/// Where and what the model the cell runs is, for the refusal.
+#[derive(Default)]
+struct ModelHints {
+    /// The line of the first forward call.
+    forward: Option<usize>,
+    /// The variable that call runs (`net` of `net.forward_t(..)` or `xs.apply_t(&net, ..)`).
+    model: Option<String>,
+    /// A struct implementing `Module`/`ModuleT` in the cell.
+    struct_model: Option<String>,
+}
+
+fn model_hints(block: &Block) -> ModelHints {
+    struct Finder(ModelHints);
     impl<'a> Visit<'a> for Finder {
         fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            if self.forward.is_none() && FORWARD_METHODS.iter().any(|m| call.method == m) {
-                self.forward = Some(line_of(call.method.span()));
+            if self.0.forward.is_none() && FORWARD_METHODS.iter().any(|m| call.method == m) {
+                self.0.forward = Some(line_of(call.method.span()));
+                let model = if call.method == "apply" || call.method == "apply_t" {
+                    call.args.first().and_then(as_ref_ident)
+                } else {
+                    as_ident(&call.receiver)
+                };
+                self.0.model = model.map(|ident| ident.to_string());
             }
             syn::visit::visit_expr_method_call(self, call);
         }
@@ -182,15 +244,15 @@ fn model_hints(block: &Block) -> (Option<usize>, Option<String>) {
                     .last()
                     .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT")
             });
-            if module && self.struct_model.is_none() {
+            if module && self.0.struct_model.is_none() {
                 if let syn::Type::Path(ty) = &*item.self_ty {
-                    self.struct_model = ty.path.segments.last().map(|s| s.ident.to_string());
+                    self.0.struct_model = ty.path.segments.last().map(|s| s.ident.to_string());
                 }
             }
             // Calls inside impls are definitions, not the model running.
         }
     }
-    let mut finder = Finder::default();
+    let mut finder = Finder(ModelHints::default());
     finder.visit_block(block);
-    (finder.forward, finder.struct_model)
+    finder.0
 }

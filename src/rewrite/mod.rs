@@ -223,16 +223,12 @@ impl fmt::Display for Refusal {
 /// module the cell already uses is skipped (with a line in `changes`), so rewriting twice never
 /// wraps twice. Never panics: malformed input is a [`Refusal`].
 ///
-/// `functions` are the functions of earlier cells that the cell calls (an
-/// [`earlier::Assembled`]'s): the rewriter reads them where a rewrite depends on them.
-pub fn rewrite(
-    src: &str,
-    options: &Options,
-    functions: &[earlier::EarlierFn],
-) -> Result<Rewritten, Refusal> {
+/// `known` is what an [`earlier::Assembled`] read of the earlier cells (the functions the cell
+/// calls, the models it uses): the rewriter reads it where a rewrite depends on it.
+pub fn rewrite(src: &str, options: &Options, known: &earlier::Known) -> Result<Rewritten, Refusal> {
     let options = options.clone();
-    let functions = functions.to_vec();
-    isolated(src, move |src| rewrite_cell(src, &options, &functions))
+    let known = known.clone();
+    isolated(src, move |src| rewrite_cell(src, &options, &known))
 }
 
 /// Instruments `src` (an original or rewritten cell) for `--compare`: labels the outermost loop
@@ -247,7 +243,7 @@ pub fn instrument_for_compare(src: &str) -> Result<String, Refusal> {
 pub(crate) fn rewrite_cell(
     src: &str,
     options: &Options,
-    functions: &[earlier::EarlierFn],
+    known: &earlier::Known,
 ) -> Result<Rewritten, Refusal> {
     let cell = cell::parse(src)?;
     let mut block = cell.block.clone();
@@ -277,7 +273,7 @@ pub(crate) fn rewrite_cell(
     }
     if let Some(segments) = options.checkpoint {
         if !skip("checkpoint", "--checkpoint", &mut changes) {
-            checkpoint::apply(&mut block, segments, &mut changes)?;
+            checkpoint::apply(&mut block, segments, &known.models, &mut changes)?;
         }
     }
     let amp = options.amp.filter(|_| !skip("amp", "--amp", &mut changes));
@@ -296,7 +292,7 @@ pub(crate) fn rewrite_cell(
         let plan = training::Plan {
             amp,
             accumulate,
-            functions,
+            functions: &known.functions,
         };
         training::apply(&mut block, &plan, &mut names, &mut changes)?;
     }

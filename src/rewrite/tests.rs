@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::earlier::{Known, ModelKind, ModelOrigin};
 use super::*;
 use crate::magics::optimize::parse_args;
 
@@ -20,6 +21,14 @@ fn reference(name: &str) -> String {
 
 const LOOPS: [&str; 5] = ["mlp", "dropout", "struct_model", "epochs", "while_loop"];
 
+/// What the rewriter knows of earlier cells: these functions.
+fn known(functions: &[super::earlier::EarlierFn]) -> Known {
+    Known {
+        functions: functions.to_vec(),
+        ..Known::default()
+    }
+}
+
 fn options(flags: &str) -> Options {
     let args: Vec<&str> = flags.split_whitespace().collect();
     parse_args(&args)
@@ -28,11 +37,12 @@ fn options(flags: &str) -> Options {
 }
 
 fn rewrite_ok(src: &str, flags: &str) -> Rewritten {
-    rewrite_cell(src, &options(flags), &[]).unwrap_or_else(|refusal| panic!("{flags}: {refusal}"))
+    rewrite_cell(src, &options(flags), &Known::default())
+        .unwrap_or_else(|refusal| panic!("{flags}: {refusal}"))
 }
 
 fn refusal(src: &str, flags: &str) -> Refusal {
-    match rewrite_cell(src, &options(flags), &[]) {
+    match rewrite_cell(src, &options(flags), &Known::default()) {
         Ok(rewritten) => panic!("{flags}: expected a refusal, got\n{}", rewritten.code),
         Err(refusal) => refusal,
     }
@@ -182,7 +192,7 @@ fn rewrite_is_deterministic_and_never_wraps_twice() {
         let first = rewrite_ok(&src, flags);
         assert_eq!(first, rewrite_ok(&src, flags), "{name} {flags}");
         // Rewriting the output again skips every rewrite that is already there.
-        match rewrite_cell(&first.code, &options(flags), &[]) {
+        match rewrite_cell(&first.code, &options(flags), &Known::default()) {
             Ok(again) => {
                 assert!(
                     again.changes.iter().all(|c| c.what.contains("skipped")),
@@ -243,13 +253,16 @@ fn rewrite_keeps_comments_outside_changed_statements() {
 fn rewrite_checkpoint_refuses_models_it_cannot_see() {
     let refused = refusal(&reference("struct_model"), "--checkpoint");
     assert!(
-        refused
-            .message
-            .contains("looks for a model built with nn::seq() or nn::seq_t()"),
+        refused.message.contains(
+            "--checkpoint cannot checkpoint `Net` (a struct implementing Module in \
+                       this cell)"
+        ),
         "{refused}"
     );
     assert!(
-        refused.message.contains("`Net` implements Module"),
+        refused
+            .message
+            .contains("tchmem::checkpoint::seq_t() in `Net`'s constructor"),
         "{refused}"
     );
     assert_eq!(refused.line, Some(48), "{refused}");
@@ -263,6 +276,44 @@ fn rewrite_checkpoint_refuses_models_it_cannot_see() {
             .to_string()
             .starts_with("line 2: --checkpoint looks for"),
         "{refused}"
+    );
+    // An earlier cell's model whose kind is known: the refusal says what it is and what would
+    // let it be checkpointed.
+    let said = |kind: ModelKind| {
+        let known = Known {
+            models: vec![ModelOrigin {
+                name: "model".into(),
+                run: 3,
+                kind,
+            }],
+            ..Known::default()
+        };
+        rewrite_cell(src, &options("--checkpoint"), &known)
+            .unwrap_err()
+            .message
+    };
+    let message = said(ModelKind::Struct {
+        name: "Net".into(),
+        run: 2,
+    });
+    assert!(
+        message.contains("`model` (cell [3]): it is a `Net`, a struct (its forward in cell [2])")
+            && message.contains("built with tchmem::checkpoint::seq_t() in `Net`'s constructor"),
+        "{message}"
+    );
+    let message = said(ModelKind::Recurrent {
+        function: "lstm".into(),
+    });
+    assert!(
+        message.contains("`model` (cell [3]): an nn::lstm runs the whole sequence in one call"),
+        "{message}"
+    );
+    let message = said(ModelKind::Library {
+        function: "resnet18".into(),
+    });
+    assert!(
+        message.contains("it is built by `resnet18`, a function the notebook did not define"),
+        "{message}"
     );
 }
 
@@ -386,7 +437,7 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
         "{}\nopt.set_weight_decay_group(0, 0.0);\nopt.set_lr_group(1, 1e-4);\n",
         reference("mlp")
     );
-    let swapped = rewrite_cell(&src, &options("--optimizer lion"), &[]).unwrap();
+    let swapped = rewrite_cell(&src, &options("--optimizer lion"), &Known::default()).unwrap();
     assert!(
         swapped.code.contains("opt.set_weight_decay_group(0, 0.0);"),
         "{}",
@@ -430,7 +481,7 @@ fn rewrite_compare_refusals_and_forms() {
     // the step is recorded right after it.
     let src = "for (i, xs) in batches.iter().enumerate() {\n    let loss = model.forward(xs).mean(None);\n    \
                opt.backward_step(&loss);\n    if i % 100 != 0 {\n        continue;\n    }\n    \
-               println!(\"{}\", loss.double_value(&[]));\n}\n";
+               println!(\"{}\", loss.double_value(&Known::default()));\n}\n";
     let instrumented = instrument_for_compare(src).unwrap();
     let step = instrumented.find("opt.backward_step(&loss);").unwrap();
     let record = instrumented.find("tchmem::compare::record_step").unwrap();
@@ -534,8 +585,12 @@ fn rewrite_amp_refuses_a_loss_that_autocast_refuses_even_in_a_function_of_an_ear
         "fn loss(recon_x: &Tensor, x: &Tensor) -> Tensor {\n    \
          recon_x.binary_cross_entropy::<Tensor>(&x.view([-1, 784]), None, Reduction::Sum)\n}",
     );
-    let refusal =
-        rewrite_cell(src, &options("--amp bf16"), std::slice::from_ref(&bce)).unwrap_err();
+    let refusal = rewrite_cell(
+        src,
+        &options("--amp bf16"),
+        &known(std::slice::from_ref(&bce)),
+    )
+    .unwrap_err();
     assert_eq!(refusal.line, Some(2), "{refusal}");
     assert!(
         refusal.message.contains(
@@ -553,8 +608,8 @@ fn rewrite_amp_refuses_a_loss_that_autocast_refuses_even_in_a_function_of_an_ear
         "fn loss(r: &Tensor, x: &Tensor) -> Tensor {\n    \
          r.binary_cross_entropy_with_logits::<Tensor>(x, None, None, Reduction::Mean)\n}",
     );
-    rewrite_cell(src, &options("--amp bf16"), &[logits]).unwrap();
-    rewrite_cell(src, &options("--accumulate 2"), &[bce]).unwrap();
+    rewrite_cell(src, &options("--amp bf16"), &known(&[logits])).unwrap();
+    rewrite_cell(src, &options("--accumulate 2"), &known(&[bce])).unwrap();
 }
 
 #[test]
@@ -742,12 +797,12 @@ fn rewrite_fuzzed_cells_never_panic() {
         for _ in 0..600 {
             let mutated = mutate(&src, &mut rng);
             let flags = FLAG_SETS[rng.below(FLAG_SETS.len())];
-            if let Ok(out) = rewrite_cell(&mutated, &options(flags), &[]) {
+            if let Ok(out) = rewrite_cell(&mutated, &options(flags), &Known::default()) {
                 assert_parses(&out.code, &format!("{flags} on\n{mutated}"));
                 rewritten += 1;
                 // Rewriting and instrumenting the output must not panic either.
                 let again = FLAG_SETS[rng.below(FLAG_SETS.len())];
-                let _ = rewrite_cell(&out.code, &options(again), &[]);
+                let _ = rewrite_cell(&out.code, &options(again), &Known::default());
                 if let Ok(instrumented) = compare::instrument(&out.code) {
                     assert_parses(&instrumented, &format!("--compare on\n{}", out.code));
                 }
@@ -809,13 +864,13 @@ fn rewrite_fuzzed_flags_never_panic() {
 #[test]
 fn rewrite_isolated_entry_points_survive_bad_input() {
     let deep = format!("let x = {}1{};", "(".repeat(5000), ")".repeat(5000));
-    assert!(rewrite(&deep, &options("--amp bf16"), &[]).is_err());
+    assert!(rewrite(&deep, &options("--amp bf16"), &Known::default()).is_err());
     assert!(instrument_for_compare("fn (").is_err());
-    assert!(rewrite("", &options("--amp bf16"), &[]).is_err());
-    let ok = rewrite(&reference("mlp"), &options("--amp bf16"), &[]).unwrap();
+    assert!(rewrite("", &options("--amp bf16"), &Known::default()).is_err());
+    let ok = rewrite(&reference("mlp"), &options("--amp bf16"), &Known::default()).unwrap();
     assert_eq!(
         ok,
-        rewrite_cell(&reference("mlp"), &options("--amp bf16"), &[]).unwrap()
+        rewrite_cell(&reference("mlp"), &options("--amp bf16"), &Known::default()).unwrap()
     );
 }
 
@@ -832,7 +887,7 @@ fn rewrite_deep_expressions_do_not_overflow() {
                 "for (xs, ys) in b.iter() {{\n    let loss = {}xs;\n    opt.backward_step(&loss);\n}}\n",
                 unit.repeat(count)
             );
-            let result = rewrite(&src, &options("--amp bf16"), &[]);
+            let result = rewrite(&src, &options("--amp bf16"), &Known::default());
             assert_eq!(
                 result.is_ok(),
                 accepted,
@@ -843,7 +898,7 @@ fn rewrite_deep_expressions_do_not_overflow() {
         }
     }
     let chain = format!("let x = a{};\n", ".f()".repeat(200_000));
-    let refused = rewrite(&chain, &options("--amp bf16"), &[]).unwrap_err();
+    let refused = rewrite(&chain, &options("--amp bf16"), &Known::default()).unwrap_err();
     assert!(refused.message.contains("tokens"), "{refused}");
 }
 

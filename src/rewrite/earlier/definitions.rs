@@ -21,6 +21,9 @@ use tchmem_wire::estimate::OptimizerRule;
 pub(super) struct Live {
     pub(super) values: HashMap<String, (usize, usize, Definition)>,
     pub(super) functions: HashMap<String, (usize, usize, Definition)>,
+    /// The types that implement `Module` or `ModuleT` or have a forward method of their own,
+    /// with the cell of the newest such impl.
+    pub(super) module_types: HashMap<String, usize>,
 }
 
 impl Live {
@@ -29,8 +32,12 @@ impl Live {
         let mut live = Live {
             values: HashMap::new(),
             functions: HashMap::new(),
+            module_types: HashMap::new(),
         };
         for earlier in earlier.iter().rev() {
+            for module_type in module_impls(&earlier.code) {
+                live.module_types.entry(module_type).or_insert(earlier.run);
+            }
             for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
                 let names = if definition.function {
                     &mut live.functions
@@ -144,6 +151,40 @@ fn definitions(code: &str) -> Vec<Definition> {
         });
     }
     out
+}
+
+/// The types the cell implements `Module` or `ModuleT` for (`impl nn::ModuleT for Net`), or
+/// gives a `forward`/`forward_t` method of their own (`impl Vae { fn forward(..) }`).
+fn module_impls(code: &str) -> Vec<String> {
+    let Ok(parsed) = cell::parse(code) else {
+        return Vec::new();
+    };
+    parsed
+        .block
+        .stmts
+        .iter()
+        .filter_map(|stmt| {
+            let Stmt::Item(Item::Impl(item)) = stmt else {
+                return None;
+            };
+            let module = match &item.trait_ {
+                Some((_, path, _)) => path
+                    .segments
+                    .last()
+                    .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT"),
+                None => item.items.iter().any(|member| {
+                    matches!(member, syn::ImplItem::Fn(f)
+                        if f.sig.ident == "forward" || f.sig.ident == "forward_t")
+                }),
+            };
+            let syn::Type::Path(ty) = &*item.self_ty else {
+                return None;
+            };
+            module
+                .then(|| ty.path.segments.last().map(|s| s.ident.to_string()))
+                .flatten()
+        })
+        .collect()
 }
 
 /// Every identifier in `tokens` (a superset of the names they use).

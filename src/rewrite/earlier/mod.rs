@@ -28,9 +28,9 @@ use super::{Change, Refusal};
 use definitions::{all_names, free_names, Defined, Live};
 
 pub(super) use definitions::names_in as identifiers;
-use model::rebuilt_model;
+use model::{model_origin, rebuilt_model};
 
-pub use model::{live_model, LiveModel};
+pub use model::{live_model, LiveModel, ModelKind, ModelOrigin};
 
 /// A cell that ran before, as the kernel kept it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,8 +110,18 @@ pub struct Assembled {
     pub rebuilt: Vec<Rebuilt>,
     /// VarStores the cell uses that earlier cells made (`vs`): a trial keeps and restores them.
     pub var_stores: Vec<String>,
+    /// What else the rewriter may read of the earlier cells.
+    pub known: Known,
+}
+
+/// What the rewriter may read of the earlier cells besides the code brought in front of a cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Known {
     /// The functions of earlier cells the cell calls (not brought in: they are still defined).
     pub functions: Vec<EarlierFn>,
+    /// The models of earlier cells the cell uses that `--checkpoint` cannot rebuild (when the
+    /// model was wanted and none was rebuilt), for its refusal.
+    pub models: Vec<ModelOrigin>,
 }
 
 impl Assembled {
@@ -208,6 +218,13 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
     } else {
         None
     };
+    let models = match &model {
+        None if wanted.model => direct
+            .iter()
+            .filter_map(|name| model_origin(name, &all))
+            .collect(),
+        _ => Vec::new(),
+    };
     // A rebuilt model has new variables: the optimizer must be built on them.
     let wanted_optimizer = wanted.optimizer || model.is_some();
     let mut rebuilt: Vec<(usize, usize, Rebuilt)> = Vec::new();
@@ -270,7 +287,7 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         code: format!("{prelude}{cell}"),
         rebuilt,
         var_stores,
-        functions,
+        known: Known { functions, models },
     }
 }
 
@@ -327,12 +344,13 @@ mod tests {
         ]);
         let assembled = assemble("let loss = loss(&a, &b);", &earlier, Wanted::TRIAL);
         let called: Vec<(&str, usize)> = assembled
+            .known
             .functions
             .iter()
             .map(|f| (f.name.as_str(), f.run))
             .collect();
         assert_eq!(called, [("bce", 1), ("loss", 2)]);
-        assert!(assembled.functions[0].code.starts_with("fn bce("));
+        assert!(assembled.known.functions[0].code.starts_with("fn bce("));
     }
 
     #[test]

@@ -73,6 +73,79 @@ pub(super) fn rebuilt_model(name: &str, live: &Live) -> Option<Rebuilt> {
     })
 }
 
+/// What an earlier cell's `let` built, when it is a model `--checkpoint` cannot rebuild: its
+/// refusal then says why, and what would let it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelOrigin {
+    /// The variable.
+    pub name: String,
+    /// The cell that built it.
+    pub run: usize,
+    pub kind: ModelKind,
+}
+
+/// What kind of model a [`ModelOrigin`] is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelKind {
+    /// A value of a type implementing `Module`/`ModuleT` in an earlier cell (`Net::new(..)`):
+    /// the type, and the cell of its impl.
+    Struct { name: String, run: usize },
+    /// A recurrent layer (`nn::lstm`, `nn::gru`): one call runs the whole sequence.
+    Recurrent { function: String },
+    /// Built by a function the notebook did not define (`resnet18` from `tch::vision`).
+    Library { function: String },
+}
+
+/// What the `let` of `name` in an earlier cell built, when it is a model of a kind
+/// [`ModelKind`] names.
+pub(super) fn model_origin(name: &str, live: &Live) -> Option<ModelOrigin> {
+    let (run, _, definition) = live.values.get(name)?;
+    let (_, Some(init)) = definition.local.as_ref()? else {
+        return None;
+    };
+    let init: syn::Expr = syn::parse_str(init).ok()?;
+    let path = match crate::rewrite::syntax::strip_parens(&init) {
+        syn::Expr::Call(call) => match &*call.func {
+            syn::Expr::Path(func) if func.qself.is_none() => func.path.clone(),
+            _ => return None,
+        },
+        syn::Expr::Struct(literal) => literal.path.clone(),
+        _ => return None,
+    };
+    let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+    let last = segments.last()?.clone();
+    // `Net::new(..)` or `Net { .. }`: the type is the segment before the function, or the path.
+    let type_name = match &init {
+        syn::Expr::Struct(_) => Some(&last),
+        _ => segments.iter().rev().nth(1),
+    };
+    let kind = if let Some((ty, impl_run)) =
+        type_name.and_then(|ty| live.module_types.get(ty).map(|run| (ty, *run)))
+    {
+        ModelKind::Struct {
+            name: ty.clone(),
+            run: impl_run,
+        }
+    } else if matches!(last.as_str(), "lstm" | "gru") {
+        ModelKind::Recurrent { function: last }
+    } else if segments.iter().all(|s| s.starts_with(char::is_lowercase))
+        && !segments.iter().any(|s| s == "nn")
+        && !live.functions.contains_key(&last)
+        && !definition.has_seq
+    {
+        // A function of a module path (`resnet::resnet18`), not of a type (`Tensor::zeros`),
+        // nor one of tch's single layers (`nn::linear`).
+        ModelKind::Library { function: last }
+    } else {
+        return None;
+    };
+    Some(ModelOrigin {
+        name: name.to_string(),
+        run: *run,
+        kind,
+    })
+}
+
 /// The model the notebook holds now, as earlier cells made it (what `%memestimate` counts
 /// before any training loop ran).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,7 +211,7 @@ pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
 #[cfg(test)]
 mod tests {
     use super::super::tests::{cells, MODEL};
-    use super::super::{assemble, Brought, Wanted};
+    use super::super::{assemble, Brought, ModelKind, Wanted};
     use super::*;
 
     #[test]
@@ -194,6 +267,72 @@ mod tests {
         let structs =
             cells(&["let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs.root());"]);
         assert!(assemble(cell, &structs, wanted).rebuilt.is_empty());
+    }
+
+    #[test]
+    fn models_that_cannot_be_rebuilt_say_what_they_are() {
+        // mnist_conv's, char_rnn's and a tch::vision model's cells.
+        let earlier = cells(&[
+            "struct Net { fc: nn::Linear }\nimpl nn::ModuleT for Net {\n    fn forward_t(&self, \
+             xs: &Tensor, _train: bool) -> Tensor { xs.apply(&self.fc) }\n}\n\
+             struct Vae { fc: nn::Linear }\nimpl Vae {\n    fn forward(&self, xs: &Tensor) -> \
+             Tensor { xs.apply(&self.fc) }\n}\nstruct Config { n: i64 }\nimpl Config {\n    \
+             fn new() -> Config { Config { n: 1 } }\n}",
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs.root());\n\
+             let lstm = nn::lstm(vs.root(), 65, 256, Default::default());\n\
+             let resnet = tch::vision::resnet::resnet18(&vs.root(), 10);\n\
+             let zeros = Tensor::zeros([2], (Kind::Float, Device::Cpu));\n\
+             let lin = nn::linear(vs.root(), 2, 2, Default::default());\n\
+             let vae = Vae::new(&vs.root());\nlet config = Config::new();",
+        ]);
+        let wanted = Wanted {
+            batch: false,
+            optimizer: false,
+            model: true,
+        };
+        let cell = "let y = net.forward_t(&x, true) + lstm.seq(&x).0 + x.apply_t(&resnet, true) \
+                    + zeros + x.apply(&lin) + vae.forward(&x) + config.n;";
+        let mut models = assemble(cell, &earlier, wanted).known.models;
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        let kinds: Vec<(&str, &ModelKind)> =
+            models.iter().map(|m| (m.name.as_str(), &m.kind)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (
+                    "lstm",
+                    &ModelKind::Recurrent {
+                        function: "lstm".into()
+                    }
+                ),
+                (
+                    "net",
+                    &ModelKind::Struct {
+                        name: "Net".into(),
+                        run: 1
+                    }
+                ),
+                (
+                    "resnet",
+                    &ModelKind::Library {
+                        function: "resnet18".into()
+                    }
+                ),
+                (
+                    "vae",
+                    &ModelKind::Struct {
+                        name: "Vae".into(),
+                        run: 1
+                    }
+                ),
+            ]
+        );
+        assert!(models.iter().all(|m| m.run == 2));
+        // Only for --checkpoint.
+        assert!(assemble(cell, &earlier, Wanted::TRIAL)
+            .known
+            .models
+            .is_empty());
     }
 
     #[test]
