@@ -262,7 +262,10 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             error(view.prediction.peak_reserved, m.peak_reserved) * 100.0,
             m.step_seconds * 1e3,
             match (step_time.is_range(), step_time.holds(m.step_seconds)) {
-                (true, true) => ": within",
+                (true, true) if (step_time.low..=step_time.high).contains(&m.step_seconds) => {
+                    ": within"
+                }
+                (true, true) => ": within a tenth of it",
                 (true, false) => ": outside",
                 (false, _) => "",
             },
