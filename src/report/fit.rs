@@ -242,24 +242,45 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     } else {
         ""
     };
+    let spread = view.prediction.reserved_spread;
+    let reserved_range = spread.map_or(String::new(), |(low, high)| {
+        format!(
+            "\npredicted peak reserved {}, between {} and {}: the calibration trials' caches \
+             disagree (the allocator's segments did not grow with the batch alike)",
+            human_bytes(view.prediction.peak_reserved),
+            human_bytes(low),
+            human_bytes(high)
+        )
+    });
     let step = format!(
-        "predicted step time {predicted_step} (micro-batch {}){why_range}",
+        "predicted step time {predicted_step} (micro-batch {}){why_range}{reserved_range}",
         view.prediction.micro_batch
     );
     let measured = view.check.and_then(|t| t.outcome.measured());
     let error = |predicted: u64, measured: u64| {
         (predicted as f64 - measured as f64) / (measured.max(1) as f64)
     };
-    let check = match (view.check, measured) {
-        (Some(_), Some(m)) => format!(
+    let check =
+        match (view.check, measured) {
+            (Some(_), Some(m)) => {
+                format!(
             "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
-             reserved {} (predicted {}, {:+.1}%), step {:.1} ms (predicted {predicted_step}{}).",
+             reserved {} (predicted {}, {:+.1}%{}), step {:.1} ms (predicted {predicted_step}{}).",
             human_bytes(m.peak_allocated),
             human_bytes(view.prediction.peak_allocated),
             error(view.prediction.peak_allocated, m.peak_allocated) * 100.0,
             human_bytes(m.peak_reserved),
             human_bytes(view.prediction.peak_reserved),
             error(view.prediction.peak_reserved, m.peak_reserved) * 100.0,
+            match spread {
+                Some((low, high)) if (low..=high).contains(&m.peak_reserved) => {
+                    format!("; range {}-{}: within", human_bytes(low), human_bytes(high))
+                }
+                Some((low, high)) => {
+                    format!("; range {}-{}: outside", human_bytes(low), human_bytes(high))
+                }
+                None => String::new(),
+            },
             m.step_seconds * 1e3,
             match (step_time.is_range(), step_time.holds(m.step_seconds)) {
                 (true, true) if (step_time.low..=step_time.high).contains(&m.step_seconds) => {
@@ -269,17 +290,18 @@ pub fn estimate_display(view: &EstimateView) -> Display {
                 (true, false) => ": outside",
                 (false, _) => "",
             },
-        ),
-        (Some(trial), None) => format!(
-            "\nChecked by a trial at the batch: it {}.",
-            match &trial.outcome {
-                Outcome::OutOfMemory => "ran out of memory".to_string(),
-                Outcome::Failed(why) => format!("failed ({why})"),
-                Outcome::Ran(_) => "ran".to_string(),
+        )
             }
-        ),
-        (None, _) => String::new(),
-    };
+            (Some(trial), None) => format!(
+                "\nChecked by a trial at the batch: it {}.",
+                match &trial.outcome {
+                    Outcome::OutOfMemory => "ran out of memory".to_string(),
+                    Outcome::Failed(why) => format!("failed ({why})"),
+                    Outcome::Ran(_) => "ran".to_string(),
+                }
+            ),
+            (None, _) => String::new(),
+        };
     let mut data = Map::new();
     data.insert(
         "text/plain".into(),
@@ -312,6 +334,8 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "what": view.what,
             "peak_allocated": view.prediction.peak_allocated,
             "peak_reserved": view.prediction.peak_reserved,
+            "peak_reserved_low": spread.map(|(low, _)| low),
+            "peak_reserved_high": spread.map(|(_, high)| high),
             "context": view.context,
             "capacity": view.capacity,
             "fits": total <= view.capacity,
@@ -684,7 +708,35 @@ mod tests {
         assert!(html.contains("capacity 1.0 GiB"), "{html}");
         assert!(html.contains("<svg"));
         assert_eq!(display.data[ESTIMATE_MIME]["fits"], true);
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["peak_reserved_low"],
+            Value::Null
+        );
         assert_eq!(verdict(3, 2).split(':').next(), Some("does not fit"));
+
+        // Trials whose caches disagree: peak reserved is told as a range, and checked against it.
+        let spread = Prediction {
+            reserved_spread: Some((prediction.peak_reserved, prediction.peak_reserved * 2)),
+            ..prediction.clone()
+        };
+        let display = estimate_display(&EstimateView {
+            what: "batch 64".into(),
+            prediction: &spread,
+            context: 500 << 20,
+            capacity: 1 << 30,
+            trials: std::slice::from_ref(&trial),
+            check: Some(&trial),
+        });
+        let text = display.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("the calibration trials' caches disagree"),
+            "{text}"
+        );
+        assert!(text.contains(": outside), step"), "{text}");
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["peak_reserved_high"],
+            json!(prediction.peak_reserved * 2)
+        );
     }
 
     #[test]
