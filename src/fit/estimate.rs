@@ -143,7 +143,7 @@ pub const SHORT_STEP_SECONDS: f64 = 0.020;
 
 /// The predicted step time as a range, from lines through the calibration trials' fastest and
 /// slowest steps (the median's line between them).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct StepTime {
     /// The lower end, in seconds.
     pub low: f64,
@@ -188,7 +188,9 @@ impl Calibration {
 
     /// The prediction for `scenario`; `None` without a usable point.
     pub fn predict(&self, scenario: &Scenario) -> Option<Prediction> {
-        let (_, largest) = self.points.last()?;
+        if self.points.is_empty() {
+            return None;
+        }
         let own = self.fixed(&self.rule).unwrap_or_default();
         let target = self.fixed(&scenario.rule).unwrap_or(own);
         let accumulate = scenario.accumulate.max(1);
@@ -219,43 +221,7 @@ impl Calibration {
         let st = step.map_or(0.0, |l| l.value_at(micro as f64) + state_change);
         let loop_peak = fb.max(st).max(target.total() as f64).round() as u64;
         let cache = self.cache(loop_peak);
-        let seconds_at = |pick: fn(&Measured) -> f64| {
-            let points: Vec<(f64, f64)> = self
-                .points
-                .iter()
-                .map(|(b, m)| (*b as f64, pick(m)))
-                .collect();
-            Line::through(&points, 0.0).map_or(pick(largest), |l| l.value_at(micro as f64))
-                * accumulate as f64
-        };
-        let seconds = seconds_at(|m| m.step_seconds);
-        let low = seconds_at(|m| m.step_range.0).min(seconds);
-        let high = seconds_at(|m| m.step_range.1).max(seconds);
-        // Doubling the batch (or so) added under a quarter to the fastest step.
-        let launch_bound = match self.points.as_slice() {
-            [(b1, m1), (b2, m2), ..] if b2 > b1 => m2.step_range.0 < m1.step_range.0 * 1.25,
-            _ => false,
-        };
-        // Launch-bound, a step is no faster than the smaller trial's fastest, and past the
-        // larger trial's batch the work may take over: up to time in proportion to the batch.
-        // Short calibration steps that did grow say little about the slope (launches and
-        // warm-up weigh in them: tied_gpt in bf16 on the H200 took 12.7 and 15.7 ms at 8 and
-        // 16, and 14.6 ms at 32): from the smaller trial's fastest step to the line.
-        let (low, high) = match (self.points.first(), self.points.last()) {
-            (Some((_, small)), Some((b2, large))) if launch_bound => (
-                low.max(small.step_range.0 * accumulate as f64).min(seconds),
-                high.max(large.step_range.0 * micro as f64 / *b2 as f64 * accumulate as f64),
-            ),
-            (Some((_, small)), Some((_, large))) if large.step_range.0 < SHORT_STEP_SECONDS => {
-                (low.min(small.step_range.0 * accumulate as f64), high)
-            }
-            _ => (low, high),
-        };
-        let step_time = StepTime {
-            low,
-            high,
-            launch_bound,
-        };
+        let (seconds, step_time) = self.step_time(micro, accumulate);
         let peak_allocated = scenario.begin + loop_peak;
         let categories = vec![
             category(
@@ -314,6 +280,52 @@ impl Calibration {
             step_seconds: seconds,
             step_time,
         })
+    }
+
+    /// The step time at `micro`-sized micro-batches, `accumulate` of them: the median steps'
+    /// line, and the range (see [`StepTime`]).
+    fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
+        let Some((_, largest)) = self.points.last() else {
+            return (0.0, StepTime::default());
+        };
+        let seconds_at = |pick: fn(&Measured) -> f64| {
+            let points: Vec<(f64, f64)> = self
+                .points
+                .iter()
+                .map(|(b, m)| (*b as f64, pick(m)))
+                .collect();
+            Line::through(&points, 0.0).map_or(pick(largest), |l| l.value_at(micro as f64))
+                * accumulate as f64
+        };
+        let seconds = seconds_at(|m| m.step_seconds);
+        let low = seconds_at(|m| m.step_range.0).min(seconds);
+        let high = seconds_at(|m| m.step_range.1).max(seconds);
+        // Doubling the batch (or so) added under a quarter to the fastest step.
+        let launch_bound = match self.points.as_slice() {
+            [(b1, m1), (b2, m2), ..] if b2 > b1 => m2.step_range.0 < m1.step_range.0 * 1.25,
+            _ => false,
+        };
+        // Launch-bound, a step is no faster than the smaller trial's fastest, and past the
+        // larger trial's batch the work may take over: up to time in proportion to the batch.
+        // Short calibration steps that did grow say little about the slope (launches and
+        // warm-up weigh in them: tied_gpt in bf16 on the H200 took 12.7 and 15.7 ms at 8 and
+        // 16, and 14.6 ms at 32): from the smaller trial's fastest step to the line.
+        let (low, high) = match (self.points.first(), self.points.last()) {
+            (Some((_, small)), Some((b2, large))) if launch_bound => (
+                low.max(small.step_range.0 * accumulate as f64).min(seconds),
+                high.max(large.step_range.0 * micro as f64 / *b2 as f64 * accumulate as f64),
+            ),
+            (Some((_, small)), Some((_, large))) if large.step_range.0 < SHORT_STEP_SECONDS => {
+                (low.min(small.step_range.0 * accumulate as f64), high)
+            }
+            _ => (low, high),
+        };
+        let step_time = StepTime {
+            low,
+            high,
+            launch_bound,
+        };
+        (seconds, step_time)
     }
 
     /// The allocator's cache at a loop peak of `loop_peak` bytes (above what the notebook held):

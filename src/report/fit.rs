@@ -12,7 +12,7 @@ use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
 use crate::fit::estimate::Fixed;
 use crate::fit::estimate::Prediction;
-use crate::fit::trial::{Outcome, Trial};
+use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::rewrite::Options;
 
 /// A table: header and rows of cells, as HTML and as aligned text.
@@ -231,77 +231,10 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             .collect(),
     };
     let step_time = &view.prediction.step_time;
-    let predicted_step = step_time.describe(view.prediction.step_seconds);
-    let why_range = if step_time.launch_bound {
-        ": launch-bound at the calibration batches (their steps barely grew with the batch): \
-         from their fastest step to time in proportion to the batch, where the work may take \
-         over"
-    } else if step_time.is_range() {
-        ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
-         with launches and the allocator's growth)"
-    } else {
-        ""
-    };
     let spread = view.prediction.reserved_spread;
-    let reserved_range = spread.map_or(String::new(), |(low, high)| {
-        format!(
-            "\npredicted peak reserved {}, between {} and {}: the calibration trials' caches \
-             disagree (the allocator's segments did not grow with the batch alike)",
-            human_bytes(view.prediction.peak_reserved),
-            human_bytes(low),
-            human_bytes(high)
-        )
-    });
-    let step = format!(
-        "predicted step time {predicted_step} (micro-batch {}){why_range}{reserved_range}",
-        view.prediction.micro_batch
-    );
+    let step = prediction_lines(view.prediction);
     let measured = view.check.and_then(|t| t.outcome.measured());
-    let error = |predicted: u64, measured: u64| {
-        (predicted as f64 - measured as f64) / (measured.max(1) as f64)
-    };
-    let check =
-        match (view.check, measured) {
-            (Some(_), Some(m)) => {
-                format!(
-            "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
-             reserved {} (predicted {}, {:+.1}%{}), step {:.1} ms (predicted {predicted_step}{}).",
-            human_bytes(m.peak_allocated),
-            human_bytes(view.prediction.peak_allocated),
-            error(view.prediction.peak_allocated, m.peak_allocated) * 100.0,
-            human_bytes(m.peak_reserved),
-            human_bytes(view.prediction.peak_reserved),
-            error(view.prediction.peak_reserved, m.peak_reserved) * 100.0,
-            match spread {
-                Some((low, high)) if (low..=high).contains(&m.peak_reserved) => {
-                    format!("; range {}-{}: within", human_bytes(low), human_bytes(high))
-                }
-                Some((low, high)) => {
-                    format!("; range {}-{}: outside", human_bytes(low), human_bytes(high))
-                }
-                None => String::new(),
-            },
-            m.step_seconds * 1e3,
-            match (step_time.is_range(), step_time.holds(m.step_seconds)) {
-                (true, true) if (step_time.low..=step_time.high).contains(&m.step_seconds) => {
-                    ": within"
-                }
-                (true, true) => ": within a tenth of it",
-                (true, false) => ": outside",
-                (false, _) => "",
-            },
-        )
-            }
-            (Some(trial), None) => format!(
-                "\nChecked by a trial at the batch: it {}.",
-                match &trial.outcome {
-                    Outcome::OutOfMemory => "ran out of memory".to_string(),
-                    Outcome::Failed(why) => format!("failed ({why})"),
-                    Outcome::Ran(_) => "ran".to_string(),
-                }
-            ),
-            (None, _) => String::new(),
-        };
+    let check = check_line(view, measured);
     let mut data = Map::new();
     data.insert(
         "text/plain".into(),
@@ -357,6 +290,91 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     Display {
         data,
         ..Default::default()
+    }
+}
+
+/// What the estimate predicts beyond its table: the step time (and why it is a range), and
+/// peak reserved as a range where the calibration trials' caches disagree.
+fn prediction_lines(prediction: &Prediction) -> String {
+    let step_time = &prediction.step_time;
+    let predicted_step = step_time.describe(prediction.step_seconds);
+    let why_range = if step_time.launch_bound {
+        ": launch-bound at the calibration batches (their steps barely grew with the batch): \
+         from their fastest step to time in proportion to the batch, where the work may take \
+         over"
+    } else if step_time.is_range() {
+        ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
+         with launches and the allocator's growth)"
+    } else {
+        ""
+    };
+    let reserved_range = prediction
+        .reserved_spread
+        .map_or(String::new(), |(low, high)| {
+            format!(
+                "\npredicted peak reserved {}, between {} and {}: the calibration trials' \
+                 caches disagree (the allocator's segments did not grow with the batch alike)",
+                human_bytes(prediction.peak_reserved),
+                human_bytes(low),
+                human_bytes(high)
+            )
+        });
+    format!(
+        "predicted step time {predicted_step} (micro-batch {}){why_range}{reserved_range}",
+        prediction.micro_batch
+    )
+}
+
+/// The check trial's verdict on the prediction (empty without one).
+fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
+    let prediction = view.prediction;
+    let step_time = &prediction.step_time;
+    let error = |predicted: u64, measured: u64| {
+        (predicted as f64 - measured as f64) / (measured.max(1) as f64)
+    };
+    match (view.check, measured) {
+        (Some(_), Some(m)) => format!(
+            "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
+             reserved {} (predicted {}, {:+.1}%{}), step {:.1} ms (predicted {}{}).",
+            human_bytes(m.peak_allocated),
+            human_bytes(prediction.peak_allocated),
+            error(prediction.peak_allocated, m.peak_allocated) * 100.0,
+            human_bytes(m.peak_reserved),
+            human_bytes(prediction.peak_reserved),
+            error(prediction.peak_reserved, m.peak_reserved) * 100.0,
+            match prediction.reserved_spread {
+                Some((low, high)) => format!(
+                    "; range {}-{}: {}",
+                    human_bytes(low),
+                    human_bytes(high),
+                    if (low..=high).contains(&m.peak_reserved) {
+                        "within"
+                    } else {
+                        "outside"
+                    }
+                ),
+                None => String::new(),
+            },
+            m.step_seconds * 1e3,
+            step_time.describe(prediction.step_seconds),
+            match (step_time.is_range(), step_time.holds(m.step_seconds)) {
+                (true, true) if (step_time.low..=step_time.high).contains(&m.step_seconds) => {
+                    ": within"
+                }
+                (true, true) => ": within a tenth of it",
+                (true, false) => ": outside",
+                (false, _) => "",
+            },
+        ),
+        (Some(trial), None) => format!(
+            "\nChecked by a trial at the batch: it {}.",
+            match &trial.outcome {
+                Outcome::OutOfMemory => "ran out of memory".to_string(),
+                Outcome::Failed(why) => format!("failed ({why})"),
+                Outcome::Ran(_) => "ran".to_string(),
+            }
+        ),
+        (None, _) => String::new(),
     }
 }
 
@@ -663,7 +681,6 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
 mod tests {
     use super::*;
     use crate::fit::estimate::{Calibration, Scenario};
-    use crate::fit::trial::Measured;
     use tchmem_wire::estimate::OptimizerRule;
 
     #[test]
