@@ -11,7 +11,9 @@
 //! (a closure coerced to `dyn Fn(&T)` needs its parameters written to accept every lifetime).
 
 use syn::spanned::Spanned;
-use syn::{Expr, Pat, Stmt};
+use syn::{Expr, Pat};
+
+use super::top_let::{self, TopLet};
 
 /// The variable named by evcxr's "The variable `f` is a closure, which cannot be persisted."
 pub fn closure_variable(message: &str) -> Option<&str> {
@@ -20,72 +22,35 @@ pub fn closure_variable(message: &str) -> Option<&str> {
     rest.starts_with(" is a closure").then_some(variable)
 }
 
-/// A top-level `let name = |…| …;`, as offsets into the cell.
+/// A top-level `let name = |…| …;`, as offsets into the cell; its marks are just after each
+/// parameter's pattern, for those without a type (`None`: typed).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClosureLet {
-    /// Just after the pattern: where the `let`'s type goes.
-    pattern_end: usize,
-    /// Where the closure starts and ends.
-    value: (usize, usize),
-    /// Just after each parameter's pattern, for those without a type (`None`: typed).
-    untyped_params: Vec<Option<usize>>,
-}
+pub struct ClosureLet(TopLet);
 
 impl ClosureLet {
     /// How many parameters the closure takes.
     pub fn arity(&self) -> usize {
-        self.untyped_params.len()
+        self.0.marks.len()
     }
 }
 
 /// The top-level `let variable = <closure>;` of the cell, if it has one.
 pub fn find(code: &str, variable: &str) -> Option<ClosureLet> {
-    let name = variable.to_string();
-    type Spans = (
-        proc_macro2::LineColumn,
-        (proc_macro2::LineColumn, proc_macro2::LineColumn),
-        Vec<Option<proc_macro2::LineColumn>>,
-    );
-    let spans: Spans = crate::cell_syntax::with_parsed_block(code, move |block| {
-        block.stmts.iter().find_map(|stmt| {
-            let Stmt::Local(local) = stmt else {
-                return None;
-            };
-            let Pat::Ident(ident) = &local.pat else {
-                return None;
-            };
-            let init = local.init.as_ref().filter(|init| init.diverge.is_none())?;
-            let Expr::Closure(closure) = &*init.expr else {
-                return None;
-            };
-            (ident.ident == name && ident.subpat.is_none()).then(|| {
-                let params = closure
-                    .inputs
-                    .iter()
-                    .map(|param| (!matches!(param, Pat::Type(_))).then(|| param.span().end()))
-                    .collect();
-                (
-                    local.pat.span().end(),
-                    (init.expr.span().start(), init.expr.span().end()),
-                    params,
-                )
-            })
-        })
-    })??;
-    let offset = |at| super::positions::offset_in_block(code, at);
-    Some(ClosureLet {
-        pattern_end: offset(spans.0)?,
-        value: (offset(spans.1 .0)?, offset(spans.1 .1)?),
-        // A typed parameter stays `None`; an untyped one outside the cell drops the whole.
-        untyped_params: spans
-            .2
-            .into_iter()
-            .map(|at| match at {
-                None => Some(None),
-                Some(at) => offset(at).map(Some),
-            })
-            .collect::<Option<_>>()?,
-    })
+    top_let::find(code, variable, untyped_params).map(ClosureLet)
+}
+
+/// Where a type goes after each untyped parameter of a closure; `None` for another value.
+fn untyped_params(value: &Expr) -> Option<Vec<Option<proc_macro2::LineColumn>>> {
+    let Expr::Closure(closure) = value else {
+        return None;
+    };
+    Some(
+        closure
+            .inputs
+            .iter()
+            .map(|param| (!matches!(param, Pat::Type(_))).then(|| param.span().end()))
+            .collect(),
+    )
 }
 
 /// Generic parameters `A0, A1, …` for a closure of `arity` parameters.
@@ -286,6 +251,7 @@ pub fn kept_as(signature: &Signature, callable: Callable) -> String {
 /// parameters typed.
 pub fn boxed(code: &str, found: &ClosureLet, signature: &Signature, callable: Callable) -> String {
     // Insertions from the end, so that earlier offsets stay right.
+    let found = &found.0;
     let mut inserts: Vec<(usize, String)> = vec![
         (
             found.pattern_end,
@@ -294,7 +260,7 @@ pub fn boxed(code: &str, found: &ClosureLet, signature: &Signature, callable: Ca
         (found.value.0, "Box::new(".to_string()),
         (found.value.1, ")".to_string()),
     ];
-    for (at, ty) in found.untyped_params.iter().zip(&signature.params) {
+    for (at, ty) in found.marks.iter().zip(&signature.params) {
         if let Some(at) = at {
             inserts.push((*at, format!(": {ty}")));
         }

@@ -17,6 +17,7 @@ mod positions;
 mod rich;
 mod runner;
 mod streams;
+mod top_let;
 pub mod workdir;
 
 use std::path::Path;
@@ -43,6 +44,29 @@ use tchmem_wire::{CellReport, CELL_REPORT_MIME};
 
 use crate::cell_syntax::{self, Syntax, Tail};
 
+/// Compiles `cell`, a probe that runs nothing (its code sits in `if false { … }`): the compile
+/// errors it gives (none when it compiled), or `None` when evcxr failed otherwise.
+fn probe(
+    context: &mut CommandContext,
+    cell: &str,
+    what: &str,
+) -> Option<Vec<evcxr::CompilationError>> {
+    match context.execute(cell) {
+        Ok(_) => Some(Vec::new()),
+        Err(evcxr::Error::CompilationErrors(errors)) => {
+            tracing::debug!(
+                "{what}: {:?}",
+                errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
+            );
+            Some(errors)
+        }
+        Err(other) => {
+            tracing::debug!("{what}: no compile errors to read: {other}");
+            None
+        }
+    }
+}
+
 /// When evcxr's analysis could not type a variable the cell defines: the cell with the types
 /// the compiler names written out (see [`infer`]), after telling the user; `None` when
 /// the compiler cannot help either.
@@ -58,18 +82,7 @@ fn typed_by_compiler(
     if lets.is_empty() {
         return None;
     }
-    let probe = context.execute(&infer::probe_cell(code, &lets));
-    let errors = match probe {
-        Err(evcxr::Error::CompilationErrors(errors)) => errors,
-        other => {
-            tracing::debug!("type probe: no compile errors to read: {:?}", other.err());
-            return None;
-        }
-    };
-    tracing::debug!(
-        "type probe: {:?}",
-        errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
-    );
+    let errors = probe(context, &infer::probe_cell(code, &lets), "type probe")?;
     let types: Vec<String> = errors
         .iter()
         .filter(|e| e.code() == Some("E0308"))
@@ -122,37 +135,20 @@ fn closure_boxed(
 ) -> Option<String> {
     let variable = closures::closure_variable(message)?;
     let found = closures::find(code, variable)?;
-    let probe = context.execute(&closures::signature_probe(code, variable, found.arity()));
-    let Err(evcxr::Error::CompilationErrors(errors)) = probe else {
-        tracing::debug!(
-            "closure probe: no compile errors to read: {:?}",
-            probe.err()
-        );
-        return None;
-    };
-    tracing::debug!(
-        "closure probe: {:?}",
-        errors.iter().map(|e| e.rendered()).collect::<Vec<_>>()
-    );
-    let signature = errors
+    let signature_probe = closures::signature_probe(code, variable, found.arity());
+    let signature = probe(context, &signature_probe, "closure probe")?
         .iter()
         .find(|e| e.code() == Some("E0308"))
         .and_then(|e| closures::signature(&e.rendered()))?;
-    let callable = closures::Callable::Fn;
-    let probe = closures::callable_probe(code, variable, found.arity(), callable);
-    let callable = match context.execute(&probe) {
-        Ok(_) => callable,
-        Err(evcxr::Error::CompilationErrors(errors)) => {
-            let rendered: Vec<String> = errors.iter().map(|e| e.rendered()).collect();
-            tracing::debug!("closure callable probe: {rendered:?}");
-            rendered
-                .iter()
-                .find_map(|r| closures::Callable::from_e0525(r))?
-        }
-        Err(other) => {
-            tracing::debug!("closure callable probe: {other}");
-            return None;
-        }
+    let callable_probe =
+        closures::callable_probe(code, variable, found.arity(), closures::Callable::Fn);
+    let errors = probe(context, &callable_probe, "closure callable probe")?;
+    let callable = if errors.is_empty() {
+        closures::Callable::Fn
+    } else {
+        errors
+            .iter()
+            .find_map(|e| closures::Callable::from_e0525(&e.rendered()))?
     };
     let kept_as = closures::kept_as(&signature, callable);
     output(CellOutput::Stream(

@@ -8,9 +8,6 @@
 //! `xs.apply_t(&gpt, train)` works on them), any other trait as `Box<dyn Trait>` (its methods
 //! work through the box). The `let` gains its type and the call that boxes, on its own lines.
 
-use syn::spanned::Spanned;
-use syn::{Pat, Stmt};
-
 /// The variable and its type in evcxr's "The variable `x` has type `impl T` which cannot be
 /// persisted."
 pub fn opaque_variable(message: &str) -> Option<(&str, &str)> {
@@ -46,34 +43,9 @@ fn boxed(ty: &str) -> (String, String) {
 /// The cell with the top-level `let variable = …;` (no type written) keeping a boxed value, or
 /// `None` when there is no such `let`.
 pub fn box_variable(code: &str, variable: &str, ty: &str) -> Option<String> {
-    let name = variable.to_string();
-    // Where the pattern ends and the value starts and ends, as the parser counts.
-    let (pattern_end, value_start, value_end) =
-        crate::cell_syntax::with_parsed_block(code, move |block| {
-            block.stmts.iter().find_map(|stmt| {
-                let Stmt::Local(local) = stmt else {
-                    return None;
-                };
-                let Pat::Ident(ident) = &local.pat else {
-                    return None;
-                };
-                let init = local.init.as_ref().filter(|init| init.diverge.is_none())?;
-                (ident.ident == name && ident.subpat.is_none()).then(|| {
-                    (
-                        local.pat.span().end(),
-                        init.expr.span().start(),
-                        init.expr.span().end(),
-                    )
-                })
-            })
-        })??;
+    let found = super::top_let::find(code, variable, super::top_let::any_value)?;
     let (kept_as, boxing) = boxed(ty);
-    let offset = |at| super::positions::offset_in_block(code, at);
-    let (pattern_end, value_start, value_end) = (
-        offset(pattern_end)?,
-        offset(value_start)?,
-        offset(value_end)?,
-    );
+    let (pattern_end, (value_start, value_end)) = (found.pattern_end, found.value);
     Some(format!(
         "{}: {kept_as}{}{boxing}({}){}",
         &code[..pattern_end],
