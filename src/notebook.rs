@@ -4,11 +4,16 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, StreamName};
+use crate::engine::{CellIo, CellOutcome, CellOutput, Engine, StreamName, LIVE_DISPLAY_ID_PREFIX};
+use tchmem_wire::Display;
+
+/// How often a running cell's progress is printed on stderr.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// Outputs of one cell in nbformat 4 form, with where each display id went.
 #[derive(Default)]
@@ -17,9 +22,31 @@ struct Outputs {
     by_display_id: HashMap<String, usize>,
     /// A `clear_output(wait=True)` is pending.
     clear_on_next: bool,
+    /// When the live view was last printed on stderr.
+    progress_printed: Option<Instant>,
 }
 
 impl Outputs {
+    /// A live view's line goes to stderr every few seconds (and when its run ends), so that a
+    /// long notebook run in a terminal shows where it is.
+    fn print_progress(&mut self, display: &Display) {
+        let live = display
+            .display_id
+            .as_deref()
+            .is_some_and(|id| id.starts_with(LIVE_DISPLAY_ID_PREFIX));
+        let Some(line) = display.data.get("text/plain").and_then(|v| v.as_str()) else {
+            return;
+        };
+        let ended = line.starts_with("ran ");
+        let due = self
+            .progress_printed
+            .is_none_or(|printed| printed.elapsed() >= PROGRESS_EVERY);
+        if live && (due || ended) {
+            eprintln!("tchmem: {line}");
+            self.progress_printed = Some(Instant::now());
+        }
+    }
+
     fn clear(&mut self) {
         self.list.clear();
         self.by_display_id.clear();
@@ -54,7 +81,10 @@ impl Outputs {
                     self.clear();
                 }
             }
+            // The cells layer turns samples into the live view's displays.
+            CellOutput::Live(_) => {}
             CellOutput::Display(display) => {
+                self.print_progress(&display);
                 let output = json!({
                     "output_type": "display_data",
                     "data": display.data,

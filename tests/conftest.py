@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,17 @@ def pytest_unconfigure(config):
 
 def execute(kc, code, timeout=CELL_TIMEOUT, **kwargs):
     """Runs `code`; returns (reply content, iopub messages of this request up to idle)."""
-    msg_id = kc.execute(code, **kwargs)
+    reply, _, messages = wait_for(kc, kc.execute(code, **kwargs), timeout)
+    return reply, messages
+
+
+def wait_for(kc, msg_id, timeout=CELL_TIMEOUT):
+    """The reply to request `msg_id`, when it came (time.monotonic()), and the request's iopub
+    messages up to idle."""
     reply = kc.get_shell_msg(timeout=timeout)
     while reply["parent_header"].get("msg_id") != msg_id:
         reply = kc.get_shell_msg(timeout=timeout)
+    replied = time.monotonic()
     messages = []
     while True:
         msg = kc.get_iopub_msg(timeout=timeout)
@@ -54,7 +62,7 @@ def execute(kc, code, timeout=CELL_TIMEOUT, **kwargs):
             continue
         messages.append(msg)
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return reply["content"], messages
+            return reply["content"], replied, messages
 
 
 def complete(kc, code, timeout=CELL_TIMEOUT):

@@ -5,6 +5,7 @@
 
 use std::ffi::{c_char, CString};
 
+use tchmem_wire::progress::MemoryNow;
 use tchmem_wire::AfterCell;
 
 use crate::cuda_stats::{self, DEVICE};
@@ -46,6 +47,49 @@ pub(crate) fn register() {
         slot.before_cell.store(before as *mut _, Ordering::Release);
         slot.after_cell.store(after as *mut _, Ordering::Release);
         slot.free.store(free as *mut _, Ordering::Release);
+        let sample: unsafe extern "C" fn(*mut MemoryNow) -> bool = tchmem_runtime_sample_memory;
+        slot.run
+            .sample_memory
+            .store(sample as *mut _, Ordering::Release);
+    }
+}
+
+/// The device's memory now, for the live view (none without CUDA or before the device is used:
+/// asking then would create a CUDA context).
+pub fn memory_now() -> Option<MemoryNow> {
+    static CAPACITY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let stats = cuda_stats::device_stats(DEVICE).ok()?;
+    if stats.current.reserved == 0 && CAPACITY.get().is_none() {
+        return None;
+    }
+    let capacity = match CAPACITY.get() {
+        Some(&capacity) => capacity,
+        None => {
+            let (_, total) = cuda_stats::memory_info(DEVICE).ok()?;
+            *CAPACITY.get_or_init(|| total)
+        }
+    };
+    Some(MemoryNow {
+        allocated: stats.current.allocated,
+        reserved: stats.current.reserved,
+        peak_allocated: stats.peak.allocated,
+        peak_reserved: stats.peak.reserved,
+        capacity,
+    })
+}
+
+/// Hook for the kernel's child: the device's memory now, written to `out`; false if unknown.
+///
+/// # Safety
+/// `out` must be null or point to a writable `MemoryNow`.
+pub unsafe extern "C" fn tchmem_runtime_sample_memory(out: *mut MemoryNow) -> bool {
+    match std::panic::catch_unwind(memory_now) {
+        Ok(Some(now)) if !out.is_null() => {
+            // SAFETY: the child passes a valid, writable MemoryNow.
+            unsafe { *out = now };
+            true
+        }
+        _ => false,
     }
 }
 

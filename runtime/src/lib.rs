@@ -15,6 +15,7 @@ pub mod error;
 pub mod estimate;
 mod ffi;
 pub mod hooks;
+pub mod interrupt;
 pub mod keep;
 mod nvml;
 pub mod oom;
@@ -30,11 +31,26 @@ pub mod input {
 pub mod optim;
 mod panic_hook;
 pub mod phase;
+pub mod progress;
 
 pub use error::RuntimeError;
 pub use tch;
 pub use tchmem_wire::memory::{Category, CategoryName, Counters, CudaMemory, MemoryRecord};
 pub use watch::{tensor_bytes, watch, watch_batch};
+
+pub use interrupt::interrupted;
+
+/// Reports the step a loop is at, of `total` (`0`: unknown), for the live view under the running
+/// cell: a bar and a time left. The kernel counts a cell's loops by itself; this says more.
+///
+/// ```no_run
+/// for step in 0..1000 {
+///     tchmem::progress(step + 1, 1000);
+/// }
+/// ```
+pub fn progress<S: TryInto<u64>, T: TryInto<u64>>(step: S, total: T) {
+    progress::report(step, total);
+}
 
 /// The version of this crate, as built into the current cell.
 pub fn version() -> &'static str {

@@ -77,6 +77,9 @@ pub fn backward() {
 
 /// Marks the optimizer step (after backward, before `opt.step()`).
 pub fn step() {
+    crate::interrupt::run_state()
+        .optimizer_steps
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     timeline::mark(Phase::Step);
     compare::at_marker(Some(Part::Step));
     phases().step_start = allocated();

@@ -5,6 +5,7 @@
 mod auto_watch;
 mod estimate_model;
 mod fit;
+pub mod live;
 mod memprofile;
 mod oom;
 mod optimize;
@@ -52,6 +53,8 @@ pub struct Cells<R> {
     /// The code of every cell that compiled, in order: where magics follow a name back to the
     /// cell that defined it.
     history: Vec<EarlierCell>,
+    /// Which run of a magic the next runs are, for their live view (`None`: the cell itself).
+    live_label: Option<String>,
 }
 
 /// Where a report's displays go: the cell's output.
@@ -133,6 +136,7 @@ impl<R: Runner> Cells<R> {
             timelines: Timelines::new(snapshot_dir),
             last_training_cell: None,
             history: Vec::new(),
+            live_label: None,
         }
     }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tchmem_wire::memory::{Category, MemoryRecord};
 
+use super::live::LiveView;
 use super::{auto_watch, binds, oom, Cells, Runner};
 use crate::cell_error::ErrorName;
 use crate::magics::ProfileMode;
@@ -62,7 +63,15 @@ impl<R: Runner> Cells<R> {
     /// Runs code on the runner, noticing when its process was replaced (a new process holds
     /// nothing that was watched).
     pub(super) fn run(&mut self, code: &str, io: CellIo) -> CellOutcome {
-        let outcome = self.runner.run(code, io);
+        let (view, output) = LiveView::wrap(io.output, self.live_label.clone());
+        let outcome = self.runner.run(
+            code,
+            CellIo {
+                output,
+                input: io.input,
+            },
+        );
+        view.finish();
         if self.runner.process_generation() != self.watched_generation {
             self.auto_watched.clear();
             self.watched_generation = self.runner.process_generation();

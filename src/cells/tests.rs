@@ -169,7 +169,7 @@ impl Shown {
                         let text = display.data.get("text/plain").and_then(|t| t.as_str());
                         text.unwrap_or_default().to_string()
                     }
-                    CellOutput::ClearOutput { .. } => return,
+                    CellOutput::ClearOutput { .. } | CellOutput::Live(_) => return,
                 };
                 shown.lock().unwrap().push(text);
             }),

@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use super::live::LiveSampler;
 use super::runtime_slot;
 use super::stdout_tap::StdoutTap;
 use crate::libtorch::CudaLibrary;
@@ -10,6 +11,7 @@ use tchmem_wire::{CellReport, CELL_REPORT_MIME, STDERR_SYNC_PREFIX};
 /// State kept between the hooks of one child process.
 pub struct CellHooks {
     tap: StdoutTap,
+    live: LiveSampler,
     cuda: CudaLibrary,
     cells_run: u64,
     started: Instant,
@@ -20,8 +22,10 @@ pub struct CellHooks {
 impl CellHooks {
     /// Hooks that report through `tap`.
     pub fn new(tap: StdoutTap) -> Self {
+        let live = LiveSampler::start(tap.writer(), runtime_slot::run_state());
         Self {
             tap,
+            live,
             cuda: CudaLibrary::Absent("not loaded yet (evcxr's warm-up)".into()),
             cells_run: 0,
             started: Instant::now(),
@@ -40,8 +44,10 @@ impl CellHooks {
         if runtime_slot::recording_enabled() {
             runtime_slot::before_cell();
         }
+        runtime_slot::run_state().begin_run();
         self.started = Instant::now();
         self.recording_before = (self.started - start).as_secs_f64();
+        self.live.cell_started();
     }
 
     /// Runs just after the cell's code returned (also after a caught panic): sends the cell's
@@ -49,6 +55,8 @@ impl CellHooks {
     /// marks the end of the cell's stderr.
     pub fn after_cell(&mut self) {
         let wall_seconds = self.started.elapsed().as_secs_f64();
+        self.live.cell_ended();
+        let (stopped, interrupt_seen) = runtime_slot::run_state().end_run();
         let start = Instant::now();
         let after = if runtime_slot::recording_enabled() {
             runtime_slot::after_cell()
@@ -79,6 +87,8 @@ impl CellHooks {
             memory_missing,
             recording_seconds,
             timeline,
+            stopped,
+            interrupt_seen,
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
         let begin = format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}");

@@ -10,6 +10,8 @@
 
 mod cell_hooks;
 mod evcxr_content;
+mod interrupt;
+mod live;
 mod runtime_slot;
 mod stdout_tap;
 
@@ -46,6 +48,7 @@ pub fn run() -> ! {
             std::process::exit(98);
         }
     };
+    interrupt::install();
     let mut hooks = CellHooks::new(tap);
     // Libraries are never unloaded: a cell's thread-locals and statics may outlive its call.
     let mut libraries: Vec<libloading::Library> = Vec::new();

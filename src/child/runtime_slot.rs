@@ -9,6 +9,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::Ordering;
 
+use tchmem_wire::progress::{MemoryNow, RunState};
 use tchmem_wire::AfterCell;
 use tchmem_wire::ChildSlot;
 
@@ -20,6 +21,23 @@ pub extern "C" fn tchmem_child_slot() -> *const ChildSlot {
     &SLOT
 }
 
+/// The running cell's shared state (interrupt request, loops, progress).
+pub fn run_state() -> &'static RunState {
+    &SLOT.run
+}
+
+/// The device's memory now, from the runtime's hook (`None` without the runtime or CUDA).
+pub fn sample_memory() -> Option<MemoryNow> {
+    let sample = hook(&SLOT.run.sample_memory)?;
+    // SAFETY: the runtime stored a `SampleFn` (runtime/src/hooks.rs); cell libraries are never
+    // unloaded.
+    let sample: SampleFn = unsafe { std::mem::transmute::<*mut c_void, SampleFn>(sample) };
+    let mut now = MemoryNow::default();
+    // SAFETY: `now` is a valid, writable MemoryNow.
+    unsafe { sample(&mut now) }.then_some(now)
+}
+
+type SampleFn = unsafe extern "C" fn(*mut MemoryNow) -> bool;
 type BeforeFn = extern "C" fn();
 type AfterFn = extern "C" fn() -> *mut c_char;
 type FreeFn = unsafe extern "C" fn(*mut c_char);

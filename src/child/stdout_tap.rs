@@ -83,9 +83,26 @@ impl StdoutTap {
     /// Writes lines to the kernel, bypassing the pipe, together: nothing a cell's background
     /// thread prints can land between them.
     pub fn write_lines(&self, lines: &[&str]) {
+        self.writer().write_lines(lines);
+    }
+
+    /// A handle that writes lines to the kernel from another thread (see
+    /// [`StdoutTap::write_lines`]).
+    pub fn writer(&self) -> LineWriter {
+        LineWriter(Arc::clone(&self.real_stdout))
+    }
+}
+
+/// Writes whole lines to the kernel, bypassing the pipe (the live view's samples).
+#[derive(Clone)]
+pub struct LineWriter(Arc<Mutex<File>>);
+
+impl LineWriter {
+    /// Writes `lines` at once: no other line lands between them.
+    pub fn write_lines(&self, lines: &[&str]) {
         let mut text = lines.join("\n");
         text.push('\n');
-        let mut out = self.real_stdout.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = self.0.lock().unwrap_or_else(|e| e.into_inner());
         // A broken pipe means the kernel has gone; the next read of stdin ends the child.
         let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
     }

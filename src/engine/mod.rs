@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+pub use crate::cells::live::DISPLAY_ID_PREFIX as LIVE_DISPLAY_ID_PREFIX;
 pub use crate::session::workdir;
 pub use crate::session::{
     completion_metadata, CellError, CellIo, CellOutcome, CellOutput, CompletionOutcome,
@@ -189,25 +190,10 @@ impl Engine {
         });
     }
 
-    /// Stops the running cell, if any, by stopping the child process (Rust code cannot be
-    /// unwound from outside). Returns whether a cell was running.
+    /// Interrupts the running cell, if any: it stops at its next loop boundary with every
+    /// variable kept, or its process is stopped after the grace period (see
+    /// `session::control`). Returns whether a cell was running.
     pub fn interrupt(&self) -> bool {
-        let running = self
-            .control
-            .running
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if !*running {
-            return false;
-        }
-        self.control
-            .interrupt_requested
-            .store(true, Ordering::SeqCst);
-        self.control.with_child(|child| {
-            if let Err(error) = child.kill() {
-                tracing::warn!("could not stop the child process: {error}");
-            }
-        });
-        true
+        self.control.interrupt(crate::session::interrupt_grace())
     }
 }

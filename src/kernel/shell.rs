@@ -248,6 +248,8 @@ impl<E: Evaluator> Shell<E> {
                 CellOutput::ClearOutput { wait } => {
                     iopub.publish(ClearOutput { wait }, &parent);
                 }
+                // The cells layer turns samples into the live view's displays.
+                CellOutput::Live(_) => {}
                 CellOutput::Display(display) => {
                     let data = media(display.data);
                     match display.display_id {

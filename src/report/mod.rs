@@ -5,6 +5,7 @@ mod chart;
 pub mod compare;
 pub mod fit;
 pub mod format;
+pub mod live;
 pub mod timeline;
 
 use serde_json::{Map, Value};

@@ -10,6 +10,7 @@ pub mod control;
 mod deferred_std;
 pub mod errors;
 mod infer;
+pub mod loop_checks;
 mod opaque;
 mod outcome;
 pub mod path_completions;
@@ -29,7 +30,7 @@ use evcxr::{CommandContext, EvalCallbacks};
 
 pub use completion::metadata as completion_metadata;
 pub use context::{EngineConfig, TCH_VERSION};
-pub use control::Control;
+pub use control::{grace as interrupt_grace, Control};
 pub use errors::{CellError, ErrorName};
 pub use outcome::{CellIo, CellOutcome, CompletionOutcome, InputFn, InspectOutcome};
 pub use path_completions::PathCompletions;
@@ -251,6 +252,10 @@ impl Session {
             );
             if outcome.error.is_none() {
                 session.child_setup = Some(context::CHILD_SETUP);
+                session
+                    .control
+                    .boundaries
+                    .store(loop_checks::enabled(), Ordering::SeqCst);
                 session.check_dependencies(&config.workdir, &prelude);
             }
             if let Some(error) = outcome.error {
@@ -321,6 +326,10 @@ impl Session {
             _ => crate::cell_edition::as_2021(code),
         };
         let code = rewritten.as_deref().unwrap_or(code);
+        // Loop boundaries where an interrupt stops the cell (see loop_checks).
+        let checked = (self.child_setup.is_some() && loop_checks::enabled())
+            .then(|| loop_checks::insert(code))
+            .flatten();
         let ends_in_value = !matches!(
             cell_syntax::read(code),
             Syntax::Valid(Tail::Statement | Tail::Unit)
@@ -333,16 +342,18 @@ impl Session {
                 None => String::new(),
             },
         };
-        self.control
-            .interrupt_requested
-            .store(false, Ordering::SeqCst);
         let child_before = self.control.child_pid();
         self.control.set_running(true);
         let started = Instant::now();
-        let mut result = context.execute_with_callbacks(code, &mut callbacks);
+        let mut compiled = std::borrow::Cow::Borrowed(checked.as_deref().unwrap_or(code));
+        let mut result = context.execute_with_callbacks(&compiled, &mut callbacks);
+        if checked.is_some() && failed_on_a_check(&result) {
+            tracing::warn!("a loop check did not compile; the cell runs without them");
+            compiled = code.into();
+            result = context.execute_with_callbacks(code, &mut callbacks);
+        }
         tracing::debug!("evcxr compiled and ran the cell in {:?}", started.elapsed());
         // The code compile errors point into: the cell, or the cell with types written out.
-        let mut compiled = std::borrow::Cow::Borrowed(code);
         for _ in 0..MAX_KEEP_ROUNDS {
             let Err(evcxr::Error::Message(message)) = &result else {
                 break;
@@ -386,16 +397,26 @@ impl Session {
             }
             Err(error) => {
                 let termination = if interrupted {
-                    Termination::Interrupted
+                    Termination::Interrupted(self.control.stop_reason())
                 } else {
                     Termination::Crashed
                 };
                 failed_to_compile = matches!(error, evcxr::Error::CompilationErrors(_));
-                outcome.error = Some(errors::from_evcxr(error, &compiled, termination));
+                let shown = loop_checks::strip(&compiled);
+                outcome.error = Some(errors::from_evcxr(error, &shown, termination));
             }
         }
         let took = timing.map(|timing| format!("Took {}ms\n", timing.as_millis()));
         settle_output(pump, &mut outcome, &io.output, took.as_deref());
+        if interrupted && outcome.error.is_none() {
+            let note = if outcome.report.as_ref().is_some_and(|r| r.interrupt_seen) {
+                "tchmem: the cell saw the interrupt (tchmem::interrupted()) and ended by itself; \
+                 variables kept\n"
+            } else {
+                "tchmem: the cell ended before it reached a loop boundary, so it ran to the end\n"
+            };
+            (io.output)(CellOutput::Stream(StreamName::Stderr, note.into()));
+        }
         if let (true, Some(error)) = (failed_to_compile, outcome.error.as_mut()) {
             keep_uses(context, code, error);
         }
@@ -553,6 +574,16 @@ fn keep_uses(context: &mut CommandContext, code: &str, error: &mut CellError) {
     error.traceback.push(note);
 }
 
+/// Whether `result` is a compile error about an inserted loop check, not the user's code.
+fn failed_on_a_check(result: &Result<evcxr::EvalOutputs, evcxr::Error>) -> bool {
+    match result {
+        Err(evcxr::Error::CompilationErrors(errors)) => errors
+            .iter()
+            .any(|e| loop_checks::about_a_check(&format!("{e:?}"))),
+        _ => false,
+    }
+}
+
 /// Takes the rest of a cell's output off the pump: trailing rich blocks shown or kept as the
 /// result, evcxr's timing line, and the panic the cell died of (or survived).
 fn settle_output(
@@ -580,7 +611,10 @@ fn settle_output(
     if let Some(took) = took {
         output(CellOutput::Stream(StreamName::Stdout, took.to_string()));
     }
-    if panicked {
+    let stopped = outcome.report.as_ref().and_then(|r| r.stopped.as_ref());
+    if let (true, Some(stopped)) = (panicked, stopped) {
+        outcome.error = Some(errors::stopped_at(stopped));
+    } else if panicked {
         outcome.error = Some(errors::panic(&leftovers));
     } else {
         // Panics the cell survived (a worker thread's, a caught one) are still worth seeing.

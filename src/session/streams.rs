@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 
+use tchmem_wire::progress::LiveSample;
 use tchmem_wire::{CellMessage, Display, STDERR_SYNC_PREFIX};
 
 use super::rich::{self, Block, Trailing};
@@ -32,6 +33,8 @@ pub enum CellOutput {
         /// Wait for the next output before clearing.
         wait: bool,
     },
+    /// A sample of the running cell, for the live view (see `cells::live`).
+    Live(LiveSample),
 }
 
 /// A panic reported by the runtime's hook.
@@ -256,6 +259,7 @@ fn classify(name: StreamName, line: String) -> Classified {
                 CellMessage::ClearOutput { wait } => {
                     Classified::Output(CellOutput::ClearOutput { wait })
                 }
+                CellMessage::Live(sample) => Classified::Output(CellOutput::Live(sample)),
                 CellMessage::Content { mime, content } => {
                     Classified::Content(Block { mime, content })
                 }
@@ -390,6 +394,7 @@ mod tests {
                         format!("{mime}: {}", value.as_str().unwrap_or_default())
                     }
                     super::CellOutput::ClearOutput { .. } => "clear".into(),
+                    super::CellOutput::Live(sample) => format!("live: {}", sample.elapsed),
                 };
                 sink_seen.lock().unwrap().push(text);
             }),

@@ -9,6 +9,7 @@ pub mod compare;
 pub mod estimate;
 pub mod memory;
 pub mod mime;
+pub mod progress;
 mod slot;
 pub mod timeline;
 
@@ -73,6 +74,13 @@ pub struct CellReport {
     /// The allocation timeline recorded around the cell (`%%memprofile`), if one was.
     #[serde(default)]
     pub timeline: Option<timeline::TimelineCapture>,
+    /// The loop an interrupt stopped the cell at (the cell then panicked on purpose: variables
+    /// from earlier cells were kept).
+    #[serde(default)]
+    pub stopped: Option<progress::LoopCount>,
+    /// The cell's own code saw an interrupt (`tchmem::interrupted()`) and ended as it chose.
+    #[serde(default)]
+    pub interrupt_seen: bool,
 }
 
 /// What the runtime's after-cell hook hands the child: the cell's memory record and, beside
@@ -125,6 +133,8 @@ pub enum CellMessage {
         /// The lines between the markers, joined by newlines.
         content: String,
     },
+    /// A sample of the running cell for the live view.
+    Live(progress::LiveSample),
     /// A panic, reported by the hook the runtime installs instead of the default stderr text.
     Panic {
         /// The thread that panicked.

@@ -24,6 +24,8 @@ pub struct ChildSlot {
     pub after_cell: std::sync::atomic::AtomicPtr<std::ffi::c_void>,
     /// `extern "C" fn(*mut c_char)`: releases what `after_cell` returned.
     pub free: std::sync::atomic::AtomicPtr<std::ffi::c_void>,
+    /// The running cell's interrupt request, loops and progress.
+    pub run: crate::progress::RunState,
 }
 
 impl ChildSlot {
@@ -36,6 +38,7 @@ impl ChildSlot {
             before_cell: AtomicPtr::new(std::ptr::null_mut()),
             after_cell: AtomicPtr::new(std::ptr::null_mut()),
             free: AtomicPtr::new(std::ptr::null_mut()),
+            run: crate::progress::RunState::new(),
         }
     }
 }

@@ -7,14 +7,50 @@ use evcxr::{CompilationError, Error as EvcxrError};
 
 pub use crate::cell_error::{CellError, ErrorName};
 
+use super::control::Stop;
 use super::streams::{Leftovers, PanicReport};
+use tchmem_wire::progress::{grouped, LoopCount};
 
 /// Why the child went away, as the engine knows it.
 pub enum Termination {
-    /// The user asked to interrupt the cell.
-    Interrupted,
+    /// The user asked to interrupt the cell (and why the process was stopped, when known).
+    Interrupted(Option<Stop>),
     /// Nobody asked: the child crashed or was killed from outside.
     Crashed,
+}
+
+/// Why an interrupt had to stop the process running cells, in the user's terms.
+fn why_stopped(stop: Option<Stop>) -> String {
+    match stop {
+        Some(Stop::NoBoundary(grace)) => format!(
+            "The cell reached no loop boundary within {:.0} s of the interrupt (a single long \
+             call, or a loop in code the kernel does not see: an iterator chain, a function \
+             from outside the notebook, which can call tchmem::interrupted()), so the process \
+             running cells was stopped: all variables were lost. The next cell runs in a fresh \
+             process.",
+            grace.as_secs_f64()
+        ),
+        Some(Stop::SecondInterrupt) => "A second interrupt stopped the process running cells at \
+             once: all variables were lost. The next cell runs in a fresh process."
+            .into(),
+        Some(Stop::NoBoundaries) | None => "The cell was interrupted. Without the tchmem runtime \
+             the cell has no loop boundaries to stop at, so the process running cells was \
+             stopped: all variables were lost. The next cell runs in a fresh process."
+            .into(),
+    }
+}
+
+/// A cell an interrupt stopped at a loop boundary: the variables of earlier cells are kept.
+pub fn stopped_at(stopped: &LoopCount) -> CellError {
+    CellError::new(
+        ErrorName::Interrupted,
+        format!(
+            "stopped at the start of iteration {} of {}; variables kept (those this cell \
+             defined are not)",
+            grouped(stopped.iterations),
+            stopped.name()
+        ),
+    )
 }
 
 /// Renders an evcxr error raised while running `code`.
@@ -22,12 +58,9 @@ pub fn from_evcxr(error: EvcxrError, code: &str, termination: Termination) -> Ce
     match error {
         EvcxrError::CompilationErrors(errors) => compilation(&errors, code),
         EvcxrError::SubprocessTerminated(details) => match termination {
-            Termination::Interrupted => CellError::new(
-                ErrorName::Interrupted,
-                "The cell was interrupted. Rust code cannot be stopped safely in the middle, so \
-                 the process running cells was stopped: all variables were lost. The next cell \
-                 runs in a fresh process.",
-            ),
+            Termination::Interrupted(stop) => {
+                CellError::new(ErrorName::Interrupted, why_stopped(stop))
+            }
             Termination::Crashed => CellError::new(
                 ErrorName::ChildProcessCrashed,
                 format!(
@@ -230,8 +263,18 @@ mod tests {
         let interrupt = from_evcxr(
             EvcxrError::SubprocessTerminated(String::new()),
             "",
-            Termination::Interrupted,
+            Termination::Interrupted(Some(Stop::NoBoundary(std::time::Duration::from_secs(5)))),
         );
         assert_eq!(interrupt.ename, ErrorName::Interrupted);
+        assert!(interrupt.evalue.contains("no loop boundary within 5 s"));
+        let stopped = stopped_at(&LoopCount {
+            line: 14,
+            function: None,
+            iterations: 1204,
+        });
+        assert_eq!(stopped.ename, ErrorName::Interrupted);
+        assert!(stopped.evalue.starts_with(
+            "stopped at the start of iteration 1,204 of the loop at line 14; variables kept"
+        ));
     }
 }
