@@ -97,7 +97,7 @@ def test_an_interrupted_loop_stops_at_a_boundary_and_training_goes_on(kernel):
     assert len(ids) == 1, ids
     assert all(m["msg_type"] == "update_display_data" for m in live[1:])
     text = live[-1]["content"]["data"]["text/plain"]
-    assert text.startswith("ran ") and "iteration of the loop at line 1" in text, text
+    assert text.startswith("ran ") and re.search(r"iteration [\d,]+ of the loop at line 1 ", text), text
     assert "memory curves need CUDA" in text or "allocated" in text, text
 
 
@@ -170,3 +170,30 @@ def test_a_second_interrupt_stops_at_once(kernel):
     assert "second interrupt" in reply["evalue"], reply["evalue"]
     assert replied - asked < 3, replied - asked
     assert value(kc, "2 + 2") == "4"
+
+
+def test_compare_runs_show_which_side_and_step_they_are_in(kernel):
+    _, kc = kernel
+    setup = """use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+let slow_batches: Vec<(Tensor, Tensor)> = (0..8)
+    .map(|_| (Tensor::randn([32, 16], (Kind::Float, Device::Cpu)),
+              Tensor::randn([32, 4], (Kind::Float, Device::Cpu))))
+    .collect();"""
+    reply, _ = execute(kc, setup)
+    assert reply["status"] == "ok", reply
+    loop = """let vs = nn::VarStore::new(Device::Cpu);
+let model = nn::linear(vs.root(), 16, 4, Default::default());
+let mut opt = nn::Sgd::default().build(&vs, 1e-2).unwrap();
+for (xs, ys) in slow_batches.iter() {
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let loss = model.forward(xs).mse_loss(ys, tch::Reduction::Mean);
+    opt.backward_step(&loss);
+}"""
+    reply, messages = execute(kc, "%%optimize --accumulate 2 --compare 6\n" + loop)
+    assert reply["status"] == "ok", reply
+    live = live_messages(messages)
+    texts = [m["content"]["data"]["text/plain"] for m in live]
+    ids = {m["content"]["transient"]["display_id"] for m in live}
+    assert len(ids) == 2, (ids, texts)
+    for side in ("original", "rewritten"):
+        assert any(re.search(f"--compare: {side} · step \\d/6 ", t) for t in texts), texts

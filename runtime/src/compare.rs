@@ -137,6 +137,13 @@ pub fn record_step(loss: &Tensor) -> bool {
         .step_seconds
         .push(now.duration_since(state.last).as_secs_f64());
     let done = state.run.losses.len() >= state.run.steps_wanted;
+    // The live view under the run shows its step of the steps wanted, and the loss.
+    let live = crate::interrupt::run_state();
+    live.set_progress(
+        state.run.losses.len() as u64,
+        Some(state.run.steps_wanted as u64),
+    );
+    live.set_loss(value);
     if state.run.parameters.is_empty() {
         // The stores are dropped before `finish`; their shapes do not change between steps.
         // Models the notebook held before the run are not the loop's.

@@ -17,6 +17,18 @@ pub const DISPLAY_ID_PREFIX: &str = "tchmem-live-";
 /// At most this often an update is sent.
 const MIN_UPDATE_GAP: Duration = Duration::from_millis(250);
 
+/// Whether `output` is a live view's display (or a sample for one).
+pub fn is_live_view(output: &CellOutput) -> bool {
+    match output {
+        CellOutput::Live(_) => true,
+        CellOutput::Display(display) => display
+            .display_id
+            .as_deref()
+            .is_some_and(|id| id.starts_with(DISPLAY_ID_PREFIX)),
+        _ => false,
+    }
+}
+
 #[derive(Default)]
 struct View {
     state: LiveState,

@@ -55,6 +55,9 @@ pub struct Cells<R> {
     history: Vec<EarlierCell>,
     /// Which run of a magic the next runs are, for their live view (`None`: the cell itself).
     live_label: Option<String>,
+    /// Where the running cell's output goes, while it runs: trials, whose own output is dropped,
+    /// show their live view there.
+    cell_output: Option<OutputSink>,
 }
 
 /// Where a report's displays go: the cell's output.
@@ -137,6 +140,7 @@ impl<R: Runner> Cells<R> {
             last_training_cell: None,
             history: Vec::new(),
             live_label: None,
+            cell_output: None,
         }
     }
 
@@ -153,6 +157,13 @@ impl<R: Runner> Cells<R> {
     /// Runs one cell: its magics, then its code, then records its memory.
     pub fn execute(&mut self, cell: &str, io: CellIo) -> CellOutcome {
         self.runs += 1;
+        self.cell_output = Some(Arc::clone(&io.output));
+        let outcome = self.execute_cell(cell, io);
+        self.cell_output = None;
+        outcome
+    }
+
+    fn execute_cell(&mut self, cell: &str, io: CellIo) -> CellOutcome {
         let mut help = Vec::new();
         if let Some(source) = magics::cell_magic(cell) {
             return match magics::parse_cell(&source) {

@@ -139,6 +139,7 @@ impl<R: Runner> Cells<R> {
             StreamName::Stdout,
             format!("── {name}: {steps} step(s) ──\n"),
         ));
+        self.live_label = Some(format!("--compare: {name}"));
         let outcome = self.run_cell_code(
             &compare_cell(&instrumented, steps, keep),
             CellIo {
@@ -146,6 +147,7 @@ impl<R: Runner> Cells<R> {
                 input: None,
             },
         );
+        self.live_label = None;
         // An interrupt or a crash ends the comparison: the user asked to stop, or the process
         // that ran cells is gone.
         if let Some(error) = &outcome.error {

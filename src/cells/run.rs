@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use tchmem_wire::memory::{Category, MemoryRecord};
 
-use super::live::LiveView;
+use super::live::{self, LiveView};
 use super::{auto_watch, binds, oom, Cells, Runner};
 use crate::cell_error::ErrorName;
 use crate::magics::ProfileMode;
 use crate::report;
 use crate::rewrite::earlier::EarlierCell;
-use crate::session::{CellIo, CellOutcome};
+use crate::session::{CellIo, CellOutcome, OutputSink};
 
 impl<R: Runner> Cells<R> {
     /// Runs a cell's code and records its memory (shown per `%memprofile`).
@@ -58,6 +58,26 @@ impl<R: Runner> Cells<R> {
             });
         }
         outcome
+    }
+
+    /// Output for a run whose own output is dropped (a trial): only its live view, shown under
+    /// the running cell.
+    pub(super) fn live_view_only(&self) -> CellIo {
+        let output: OutputSink = match &self.cell_output {
+            Some(cell) => {
+                let cell = Arc::clone(cell);
+                Arc::new(move |out| {
+                    if live::is_live_view(&out) {
+                        cell(out);
+                    }
+                })
+            }
+            None => Arc::new(|_| {}),
+        };
+        CellIo {
+            output,
+            input: None,
+        }
     }
 
     /// Runs code on the runner, noticing when its process was replaced (a new process holds

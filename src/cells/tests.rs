@@ -7,6 +7,7 @@ use std::sync::Mutex;
 
 use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
 use tchmem_wire::estimate::{DeviceRoom, DEVICE_ROOM_MIME};
+use tchmem_wire::progress::LiveSample;
 
 use super::*;
 
@@ -126,8 +127,15 @@ impl FakeRunner {
 }
 
 impl Runner for FakeRunner {
-    fn run(&mut self, code: &str, _io: CellIo) -> CellOutcome {
+    fn run(&mut self, code: &str, io: CellIo) -> CellOutcome {
         self.ran.push(code.to_string());
+        if code.contains("tchmem::compare::begin") {
+            // A trial long enough for the live view: the child's sample of its first second.
+            (io.output)(CellOutput::Live(LiveSample {
+                elapsed: 1.0,
+                ..Default::default()
+            }));
+        }
         (self.answer)(code)
     }
 
@@ -392,6 +400,19 @@ fn memfit_finds_the_largest_batch_the_simulated_allocator_takes() {
         .filter(|code| code.contains("tchmem::compare::begin"))
         .count();
     assert!(trials <= 8, "{trials} trials");
+    // Each trial's live view showed under the magic's cell, saying which trial it was; the
+    // trials' own output did not.
+    let all = shown.all();
+    assert_eq!(
+        all.matches("running 1.0 s · trial at batch ").count(),
+        trials,
+        "{all}"
+    );
+    assert_eq!(
+        all.matches("ran 1.0 s · trial at batch ").count(),
+        trials,
+        "{all}"
+    );
 }
 
 #[test]

@@ -166,7 +166,10 @@ impl<R: Runner> Cells<R> {
         };
         let instrumented = rewrite::instrument_for_compare(&code).map_err(refused)?;
         let run = compare_cell(&instrumented, steps, &assembled.var_stores);
-        let outcome = self.run_cell_code(&run, CellIo::quiet());
+        // Its own output is dropped; its live view shows under the magic's cell.
+        self.live_label = Some(format!("trial at batch {batch}{}", options.flags()));
+        let outcome = self.run_cell_code(&run, self.live_view_only());
+        self.live_label = None;
         let result = match &outcome.error {
             Some(error) if error.stops_the_run() => {
                 return Err(TrialError::Stopped(Box::new(outcome)))

@@ -28,8 +28,10 @@ pub struct LiveState {
 /// runtime marked, else the iterations of the loop that turned most often.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Steps {
-    /// What is counted ("step", "optimizer step", "iteration of the loop at line 14").
-    pub what: String,
+    /// What is counted ("step", "optimizer step", "iteration").
+    pub noun: &'static str,
+    /// Of what, when it needs saying (" of the loop at line 14").
+    pub of: String,
     /// How many so far.
     pub count: u64,
     /// Out of how many, when the loop said.
@@ -40,21 +42,24 @@ pub struct Steps {
 pub fn steps(progress: &Progress) -> Option<Steps> {
     if let Some(count) = progress.step {
         return Some(Steps {
-            what: "step".into(),
+            noun: "step",
+            of: String::new(),
             count,
             total: progress.total,
         });
     }
     if progress.optimizer_steps > 0 {
         return Some(Steps {
-            what: "optimizer step".into(),
+            noun: "optimizer step",
+            of: String::new(),
             count: progress.optimizer_steps,
             total: None,
         });
     }
     let busiest = progress.loops.iter().max_by_key(|l| l.iterations)?;
     Some(Steps {
-        what: format!("iteration of {}", busiest.name()),
+        noun: "iteration",
+        of: format!(" of {}", busiest.name()),
         count: busiest.iterations,
         total: None,
     })
@@ -117,13 +122,14 @@ impl LiveState {
     fn steps_text(&self, steps: &Steps, finished: bool) -> String {
         let mut text = match steps.total {
             Some(total) => format!(
-                "{} {}/{} {}",
-                steps.what,
+                "{} {}/{}{} {}",
+                steps.noun,
                 grouped(steps.count),
                 grouped(total),
+                steps.of,
                 bar(steps.count, total)
             ),
-            None => format!("{} {}", steps.what, grouped(steps.count)),
+            None => format!("{} {}{}", steps.noun, grouped(steps.count), steps.of),
         };
         if let Some(rate) = self.rate() {
             text.push_str(&format!(" ({rate:.1}/s"));
@@ -281,7 +287,7 @@ mod tests {
         state.push(sample(3.0, 1304, None));
         let line = state.line(false);
         assert!(
-            line.starts_with("running 3.0 s · iteration of the loop at line 5 1,304 (602.0/s)"),
+            line.starts_with("running 3.0 s · iteration 1,304 of the loop at line 5 (602.0/s)"),
             "{line}"
         );
         assert!(line.ends_with("memory curves need CUDA"), "{line}");
