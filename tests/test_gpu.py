@@ -297,3 +297,35 @@ def test_an_oom_in_a_training_cell_is_diagnosed_with_fixes_and_the_kernel_stays_
     assert reply["status"] == "ok" and result_text(messages) == "42"
     reply, messages = execute(gpu, "%memfree")
     assert reply["status"] == "ok" and "gave" in stream_text(messages), messages
+
+
+def test_the_live_view_reads_the_counters_the_record_reads(gpu):
+    # 8 blocks of 256 MiB held for a while, then all but two dropped: the view's curve rises and
+    # falls within the cell, and its numbers must agree with the record's.
+    code = """let mut held: Vec<Tensor> = Vec::new();
+for i in 0..16 {
+    if i < 8 {
+        held.push(Tensor::zeros([64 << 20], (Kind::Float, Device::Cuda(0))));
+    } else if held.len() > 2 {
+        held.pop();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+}
+let live_kept = held;"""
+    reply, messages = execute(gpu, "use tch::{Device, Kind, Tensor};\n" + code, timeout=300)
+    assert reply["status"] == "ok", reply
+    samples = [m["content"]["data"]["application/vnd.tchmem.live+json"] for m in messages
+               if m["msg_type"] in ("display_data", "update_display_data")
+               and "application/vnd.tchmem.live+json" in m["content"]["data"]]
+    assert len(samples) >= 4, [m["msg_type"] for m in messages]
+    record = record_of(messages)
+    cuda = record["cuda"]
+    memory = [s["memory"] for s in samples if s.get("memory")]
+    assert memory, samples
+    # Peaks are since the cell began, as the record's: the view never sees more than the record.
+    assert max(m["peak_allocated"] for m in memory) <= cuda["peak"]["allocated"]
+    assert max(m["allocated"] for m in memory) <= cuda["peak"]["allocated"]
+    # At its height the cell held 8 blocks (2 GiB) more than before it; the view saw that.
+    assert max(m["allocated"] for m in memory) - cuda["before"]["allocated"] >= 8 * 256 * MiB
+    assert memory[-1]["peak_allocated"] == cuda["peak"]["allocated"], (memory[-1], cuda)
+    assert memory[-1]["capacity"] >= cuda["peak"]["reserved"]

@@ -250,6 +250,30 @@ fn build_optimizer(name: &str, vs: &nn::VarStore) -> Opt {
     }
 }
 
+/// `--rounds N --steps N --batch B --layers L` of the benchmarks that alternate modes in one
+/// process (timeline_bench, live_bench), over the given defaults.
+pub fn mode_flags(
+    mut args: impl Iterator<Item = String>,
+    defaults: (usize, usize, i64, i64),
+) -> (usize, usize, i64, i64) {
+    let (mut rounds, mut steps, mut batch, mut layers) = defaults;
+    while let Some(flag) = args.next() {
+        let value: i64 = args
+            .next()
+            .expect("a value after the flag")
+            .parse()
+            .unwrap();
+        match flag.as_str() {
+            "--rounds" => rounds = value as usize,
+            "--steps" => steps = value as usize,
+            "--batch" => batch = value,
+            "--layers" => layers = value,
+            other => panic!("unknown flag {other} (--rounds, --steps, --batch, --layers)"),
+        }
+    }
+    (rounds, steps, batch, layers)
+}
+
 pub fn run(
     name: &str,
     steps: usize,
@@ -300,11 +324,20 @@ pub fn run(
         })
         .expect("allocation history");
     }
+    // With GPT_BENCH_LIVE set, each loop body starts with the check the kernel puts there
+    // (live_bench measures what it and the live view's sampling cost).
+    let live = std::env::var_os("GPT_BENCH_LIVE").is_some();
     for _ in 0..steps {
+        if live {
+            tchmem::__at_loop!(1, "");
+        }
         let start = Instant::now();
         opt.zero_grad();
         let mut total = 0.0;
         for (weight, [x, y]) in tchmem::accumulate::split(cfg.micro_batches, [&idx, &targets]) {
+            if live {
+                tchmem::__at_loop!(2, "");
+            }
             mark(tchmem::phase::forward);
             let loss = match cfg.amp {
                 Some(kind) => tchmem::amp::autocast(kind, || model.loss(&x, &y)),

@@ -59,21 +59,7 @@ fn fixture(dir: &str) {
 }
 
 fn overhead(mut args: impl Iterator<Item = String>) {
-    let (mut rounds, mut steps, mut batch, mut layers) = (3usize, 8usize, 16i64, 13i64);
-    while let Some(flag) = args.next() {
-        let value: i64 = args
-            .next()
-            .expect("a value after the flag")
-            .parse()
-            .unwrap();
-        match flag.as_str() {
-            "--rounds" => rounds = value as usize,
-            "--steps" => steps = value as usize,
-            "--batch" => batch = value,
-            "--layers" => layers = value,
-            other => panic!("unknown flag {other}"),
-        }
-    }
+    let (rounds, steps, batch, layers) = bench::mode_flags(&mut args, (3, 8, 16, 13));
     let modes = ["markers", "trace", "stacks"];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     for round in 0..rounds {

@@ -39,6 +39,31 @@ pub fn interrupted() -> bool {
     run_state().take_interrupt()
 }
 
+/// Asks the running cell to stop at its next loop boundary once `seconds` have passed, as the
+/// stop button would then: a time box for a training loop (Lightning's `max_time`). The cell
+/// ends with the same `Interrupted` error and keeps every variable of earlier cells; a cell that
+/// ends sooner is not affected, nor is the next one.
+///
+/// ```no_run
+/// tchmem::interrupt::after(600.0); // train for ten minutes, then carry on in the next cell
+/// ```
+pub fn after(seconds: f64) {
+    let run = run_state();
+    let this_run = run.generation.load(std::sync::atomic::Ordering::SeqCst);
+    let wait = std::time::Duration::from_secs_f64(seconds.max(0.0));
+    let spawned = std::thread::Builder::new()
+        .name("tchmem-interrupt-after".into())
+        .spawn(move || {
+            std::thread::sleep(wait);
+            if run.generation.load(std::sync::atomic::Ordering::SeqCst) == this_run {
+                run.request_interrupt();
+            }
+        });
+    if let Err(error) = spawned {
+        eprintln!("tchmem::interrupt::after: no timer thread ({error}); the cell runs on");
+    }
+}
+
 /// The payload a stopped cell unwinds with (no message: the kernel writes its own).
 #[derive(Debug, Clone, Copy)]
 pub struct Stopped;

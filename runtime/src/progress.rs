@@ -3,7 +3,15 @@
 
 use tch::Tensor;
 
+use tchmem_wire::progress::Progress;
+
 use crate::interrupt::run_state;
+
+/// What the running cell has reported so far (its loops' iterations, step, loss), as the live
+/// view's next sample will show it.
+pub fn snapshot() -> Progress {
+    run_state().progress()
+}
 
 /// Reports the step the loop is at, of `total` (pass `0` when the total is unknown). Cheap: two
 /// atomic stores, nothing sent until the view samples it.

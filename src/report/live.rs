@@ -3,6 +3,7 @@
 
 use plotters::prelude::*;
 use serde_json::{Map, Value};
+use tchmem_wire::mime::LIVE_MIME;
 use tchmem_wire::progress::{grouped, LiveSample, MemoryNow, Progress};
 
 use super::chart::font;
@@ -157,6 +158,10 @@ impl LiveState {
         let mut data = Map::new();
         data.insert("text/plain".into(), Value::String(line));
         data.insert("text/html".into(), Value::String(html));
+        // The numbers behind the view, for tools and tests.
+        if let Ok(sample) = serde_json::to_value(&self.last) {
+            data.insert(LIVE_MIME.into(), sample);
+        }
         data
     }
 

@@ -9,3 +9,5 @@ pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
 pub const TRIALS_MIME: &str = "application/vnd.tchmem.trials+json";
 /// `%%optimize --compare`'s two runs.
 pub const COMPARISON_MIME: &str = "application/vnd.tchmem.comparison+json";
+/// The live view's last sample of a running cell (`LiveSample` as JSON).
+pub const LIVE_MIME: &str = "application/vnd.tchmem.live+json";
