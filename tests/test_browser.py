@@ -144,7 +144,8 @@ def shut_down_kernels(page):
     page.evaluate("() => window.jupyterapp.serviceManager.sessions.shutdownAll()")
 
 
-def run_all(page, base, name):
+def start_all(page, base, name):
+    """Opens notebook `name` and, once its kernel is idle, runs all its cells."""
     # ?reset: a fresh workspace, which does not reopen (and start kernels for) earlier notebooks.
     page.goto(f"{base}/lab/tree/{name}?reset")
     page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.content?.widgets",
@@ -153,6 +154,10 @@ def run_all(page, base, name):
         "() => window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status"
         " === 'idle'", timeout=300_000)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
+def run_all(page, base, name):
+    start_all(page, base, name)
     deadline = time.time() + RUN_TIMEOUT
     while time.time() < deadline:
         state = page.evaluate(NOTEBOOK_STATE)
@@ -224,5 +229,63 @@ def test_completion_pops_up_in_jupyterlab(lab, page):
         assert any(item.strip().startswith("zeros") for item in items), items[:20]
         box = completer.bounding_box()
         assert box["width"] <= 1280, f"the popup is wider than the window: {box}"
+    finally:
+        shut_down_kernels(page)
+
+
+def test_live_view_updates_and_the_stop_button_keeps_the_variables(lab, page):
+    """A long cell as a user meets it: the view under it changes while it runs, the stop button
+    ends it with the loop's variables kept, and a new cell reads them."""
+    base, root = lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("let mut steps_done: Vec<u64> = Vec::new();"),
+        nbformat.v4.new_code_cell(
+            "for step in 0..100_000u64 {\n"
+            "    steps_done.push(step);\n"
+            "    tchmem::progress(step + 1, 100_000);\n"
+            "    std::thread::sleep(std::time::Duration::from_millis(20));\n"
+            "}"),
+    ]
+    notebook.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "tchmem",
+                                       "language": "rust"}
+    nbformat.write(notebook, root / "live.ipynb")
+    try:
+        start_all(page, base, "live.ipynb")
+        print("live: cells started", flush=True)
+        view = page.locator(".tchmem-live")
+        view.first.wait_for(state="visible", timeout=120_000)
+        print("live: view shown", flush=True)
+        first = view.first.inner_text()
+        time.sleep(1.5)
+        later = view.first.inner_text()
+        assert first != later, f"the view did not change: {first!r}"
+        assert later.startswith("running ") and "step " in later, later
+        view.first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "live-view.png"))
+        # The stop button in the notebook's toolbar.
+        page.locator("jp-button[data-command='notebook:interrupt-kernel'], "
+                     "button[data-command='notebook:interrupt-kernel']").first.click()
+        page.wait_for_function(
+            "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+            " === 'idle'", timeout=60_000)
+        state = page.evaluate(NOTEBOOK_STATE)
+        (error,) = [o["text"] for o in state["cells"][1]["outputs"] if o["type"] == "error"]
+        assert error.startswith("Interrupted: stopped at the start of iteration"), error
+        assert "variables kept" in error, error
+        # A new cell reads what the stopped loop left.
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:insert-cell-below')")
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:enter-edit-mode')")
+        page.keyboard.type("steps_done.len()")
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_function(
+            "() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets;"
+            " return cells[2]?.model.outputs.length > 0; }", timeout=60_000)
+        kept = page.evaluate(
+            "() => window.jupyterapp.shell.currentWidget.content.widgets[2].model.outputs"
+            ".toJSON()[0].data['text/plain']")
+        page.screenshot(path=str(SHOTS / "live-view-stopped.png"))
+        assert int(kept) > 10, kept
     finally:
         shut_down_kernels(page)

@@ -26,6 +26,8 @@ struct Running {
 /// Starts and stops sampling around each cell.
 pub struct LiveSampler {
     shared: Arc<(Mutex<Running>, Condvar)>,
+    writer: LineWriter,
+    run: &'static RunState,
 }
 
 impl LiveSampler {
@@ -33,13 +35,18 @@ impl LiveSampler {
     pub fn start(writer: LineWriter, run: &'static RunState) -> Self {
         let shared = Arc::new((Mutex::new(Running::default()), Condvar::new()));
         let thread_shared = Arc::clone(&shared);
+        let thread_writer = writer.clone();
         let started = std::thread::Builder::new()
             .name("live-view".into())
-            .spawn(move || sample_while_cells_run(&thread_shared, &writer, run));
+            .spawn(move || sample_while_cells_run(&thread_shared, &thread_writer, run));
         if let Err(error) = started {
             eprintln!("tchmem child: no live view (cannot start its thread: {error})");
         }
-        Self { shared }
+        Self {
+            shared,
+            writer,
+            run,
+        }
     }
 
     /// A cell's code starts now.
@@ -48,10 +55,16 @@ impl LiveSampler {
         self.shared.1.notify_all();
     }
 
-    /// The cell's code has returned: once this returns, no sample of it is written any more.
+    /// The cell's code has returned: a cell that showed a view gets a last sample (its final
+    /// step and elapsed time); once this returns, no sample of it is written any more.
     pub fn cell_ended(&self) {
         // The sampler writes while holding the lock, so taking it waits out a sample in flight.
-        lock(&self.shared.0).since = None;
+        let mut running = lock(&self.shared.0);
+        if let Some(since) = running.since.take() {
+            if since.elapsed() >= FIRST_SAMPLE_AFTER {
+                send(&self.writer, self.run, since);
+            }
+        }
         self.shared.1.notify_all();
     }
 }
@@ -68,12 +81,7 @@ fn sample_while_cells_run(shared: &(Mutex<Running>, Condvar), writer: &LineWrite
         let next = if elapsed < FIRST_SAMPLE_AFTER {
             FIRST_SAMPLE_AFTER - elapsed
         } else {
-            let sample = LiveSample {
-                elapsed: elapsed.as_secs_f64(),
-                memory: memory_now(),
-                progress: run.progress(),
-            };
-            writer.write_lines(&[&CellMessage::Live(sample).to_line()]);
+            send(writer, run, since);
             SAMPLE_EVERY
         };
         guard = wake
@@ -81,6 +89,16 @@ fn sample_while_cells_run(shared: &(Mutex<Running>, Condvar), writer: &LineWrite
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
+}
+
+/// Samples the running cell now and sends the sample to the kernel.
+fn send(writer: &LineWriter, run: &RunState, since: Instant) {
+    let sample = LiveSample {
+        elapsed: since.elapsed().as_secs_f64(),
+        memory: memory_now(),
+        progress: run.progress(),
+    };
+    writer.write_lines(&[&CellMessage::Live(sample).to_line()]);
 }
 
 /// The device's memory, from the runtime's hook (none without the runtime or CUDA).

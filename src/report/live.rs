@@ -1,6 +1,8 @@
 //! The live view under a running cell: a line of text (also what `tchmem execute` prints on
 //! stderr) and HTML with a small curve of the device's memory over the cell's wall time.
 
+use std::collections::VecDeque;
+
 use plotters::prelude::*;
 use serde_json::{Map, Value};
 use tchmem_wire::mime::LIVE_MIME;
@@ -8,6 +10,9 @@ use tchmem_wire::progress::{grouped, LiveSample, MemoryNow, Progress};
 
 use super::chart::font;
 use super::format::human_bytes;
+
+/// The rate is measured over this many seconds of samples.
+const RATE_WINDOW: f64 = 5.0;
 
 /// How many points of the memory curve are kept (older ones are thinned out).
 pub const MAX_POINTS: usize = 240;
@@ -21,8 +26,8 @@ pub struct LiveState {
     pub points: Vec<(f64, u64, u64)>,
     /// The last sample.
     pub last: LiveSample,
-    /// `(seconds, steps)` of the step counter a while ago, for the rate.
-    pub rate_from: Option<(f64, u64)>,
+    /// `(seconds, steps)` of the step counter over the last few seconds, for the rate.
+    pub recent_steps: VecDeque<(f64, u64)>,
 }
 
 /// The counter the view calls steps: what the loop reported, else the optimizer steps the
@@ -83,20 +88,32 @@ impl LiveState {
             }
         }
         if let Some(steps) = steps(&sample.progress) {
-            match self.rate_from {
-                Some((since, count)) if count <= steps.count && sample.elapsed - since < 10.0 => {}
-                _ => self.rate_from = Some((sample.elapsed, steps.count)),
+            // A counter that went back (another counter took over) starts the window again.
+            if self
+                .recent_steps
+                .back()
+                .is_some_and(|&(_, n)| n > steps.count)
+            {
+                self.recent_steps.clear();
+            }
+            self.recent_steps.push_back((sample.elapsed, steps.count));
+            while self
+                .recent_steps
+                .front()
+                .is_some_and(|&(t, _)| sample.elapsed - t > RATE_WINDOW)
+            {
+                self.recent_steps.pop_front();
             }
         }
         self.last = sample;
     }
 
-    /// Steps per second since the rate's start point (at least a second of samples).
+    /// Steps per second over the last [`RATE_WINDOW`] seconds (at least one second of them).
     pub fn rate(&self) -> Option<f64> {
-        let (since, from) = self.rate_from?;
-        let now = steps(&self.last.progress)?;
-        let seconds = self.last.elapsed - since;
-        (seconds >= 1.0 && now.count > from).then(|| (now.count - from) as f64 / seconds)
+        let (&(since, from), &(until, now)) =
+            (self.recent_steps.front()?, self.recent_steps.back()?);
+        let seconds = until - since;
+        (seconds >= 1.0 && now > from).then(|| (now - from) as f64 / seconds)
     }
 
     /// The view as one line of text.

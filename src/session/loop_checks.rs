@@ -79,6 +79,41 @@ pub fn strip(code: &str) -> String {
     out
 }
 
+/// The (line, column) in the code without checks of a position in `checked` (1-based; columns
+/// count characters): the checks before it on its line are taken out, and a position inside a
+/// check moves to where the check was.
+pub fn user_position(checked: &str, (line, column): (usize, usize)) -> (usize, usize) {
+    let Some(text) = checked.lines().nth(line.saturating_sub(1)) else {
+        return (line, column);
+    };
+    let mut removed = 0;
+    let mut from = 0;
+    while let Some(found) = text[from..].find(CHECK_PREFIX) {
+        let start = from + found;
+        let end = text[start..]
+            .find(");")
+            .map_or(text.len(), |e| start + e + 2);
+        let (start_column, end_column) = (
+            text[..start].chars().count() + 1,
+            text[..end].chars().count() + 1,
+        );
+        if column < start_column {
+            break;
+        }
+        let inside = column < end_column;
+        removed += if inside {
+            column - start_column
+        } else {
+            end_column - start_column
+        };
+        if inside {
+            break;
+        }
+        from = end;
+    }
+    (line, column - removed)
+}
+
 /// Whether a compile error is about an inserted check rather than the user's code.
 pub fn about_a_check(message: &str) -> bool {
     message.contains("__at_loop")
@@ -181,6 +216,12 @@ mod tests {
             "    'outer: loop {::tchmem::__at_loop!(8, \"train\");"
         );
         assert_eq!(strip(&checked), code);
+        // An error after a check on its line points at the user's column.
+        let at = lines[4].find("n -= 1").unwrap() + 1;
+        let user = code.lines().nth(4).unwrap().find("n -= 1").unwrap() + 1;
+        assert_eq!(user_position(&checked, (5, at)), (5, user));
+        assert_eq!(user_position(&checked, (5, 3)), (5, 3), "before the check");
+        assert_eq!(user_position(&checked, (5, 20)), (5, 14), "inside it");
     }
 
     #[test]

@@ -402,8 +402,10 @@ impl Session {
                     Termination::Crashed
                 };
                 failed_to_compile = matches!(error, evcxr::Error::CompilationErrors(_));
+                // Shown as the user wrote it: the checks out, columns moved back.
                 let shown = loop_checks::strip(&compiled);
-                outcome.error = Some(errors::from_evcxr(error, &shown, termination));
+                let to_cell = |at| loop_checks::user_position(&compiled, at);
+                outcome.error = Some(errors::from_evcxr(error, &shown, termination, &to_cell));
             }
         }
         let took = timing.map(|timing| format!("Took {}ms\n", timing.as_millis()));

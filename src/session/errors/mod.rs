@@ -53,10 +53,17 @@ pub fn stopped_at(stopped: &LoopCount) -> CellError {
     )
 }
 
-/// Renders an evcxr error raised while running `code`.
-pub fn from_evcxr(error: EvcxrError, code: &str, termination: Termination) -> CellError {
+/// Renders an evcxr error raised while running `code`. The kernel may have changed the code on
+/// its way to the compiler without moving lines (loop checks): `to_code` turns the compiler's
+/// (line, column) into `code`'s.
+pub fn from_evcxr(
+    error: EvcxrError,
+    code: &str,
+    termination: Termination,
+    to_code: &dyn Fn((usize, usize)) -> (usize, usize),
+) -> CellError {
     match error {
-        EvcxrError::CompilationErrors(errors) => compilation(&errors, code),
+        EvcxrError::CompilationErrors(errors) => compilation(&errors, code, to_code),
         EvcxrError::SubprocessTerminated(details) => match termination {
             Termination::Interrupted(stop) => {
                 CellError::new(ErrorName::Interrupted, why_stopped(stop))
@@ -164,13 +171,22 @@ fn panic_message(stderr: &str) -> Option<String> {
 }
 
 /// Every compile error against the cell's own lines (see [`compile`]), one report after another.
-fn compilation(errors: &[CompilationError], code: &str) -> CellError {
+fn compilation(
+    errors: &[CompilationError],
+    code: &str,
+    to_code: &dyn Fn((usize, usize)) -> (usize, usize),
+) -> CellError {
     let mut traceback = Vec::new();
     for error in errors {
         if !traceback.is_empty() {
             traceback.push(String::new());
         }
-        let report = compile::render(&compile::diagnostic(error), code, compile::Style::Ansi);
+        let mut diagnostic = compile::diagnostic(error);
+        for label in &mut diagnostic.labels {
+            label.span.start = to_code(label.span.start);
+            label.span.end = to_code(label.span.end);
+        }
+        let report = compile::render(&diagnostic, code, compile::Style::Ansi);
         traceback.extend(report.lines().map(str::to_string));
     }
     let evalue = errors
@@ -255,6 +271,7 @@ mod tests {
             EvcxrError::SubprocessTerminated("signal: 11".into()),
             "",
             Termination::Crashed,
+            &|at| at,
         );
         assert_eq!(crash.ename, ErrorName::ChildProcessCrashed);
         assert!(
@@ -264,6 +281,7 @@ mod tests {
             EvcxrError::SubprocessTerminated(String::new()),
             "",
             Termination::Interrupted(Some(Stop::NoBoundary(std::time::Duration::from_secs(5)))),
+            &|at| at,
         );
         assert_eq!(interrupt.ename, ErrorName::Interrupted);
         assert!(interrupt.evalue.contains("no loop boundary within 5 s"));
