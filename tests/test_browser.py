@@ -153,7 +153,8 @@ def start_all(page, base, name):
     page.wait_for_function(
         "() => window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status"
         " === 'idle'", timeout=300_000)
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # Not awaited: the command's promise settles only when every cell has run.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
 
 def run_all(page, base, name):
@@ -253,10 +254,8 @@ def test_live_view_updates_and_the_stop_button_keeps_the_variables(lab, page):
     nbformat.write(notebook, root / "live.ipynb")
     try:
         start_all(page, base, "live.ipynb")
-        print("live: cells started", flush=True)
         view = page.locator(".tchmem-live")
         view.first.wait_for(state="visible", timeout=120_000)
-        print("live: view shown", flush=True)
         first = view.first.inner_text()
         time.sleep(1.5)
         later = view.first.inner_text()
