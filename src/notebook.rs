@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -109,6 +110,42 @@ impl Outputs {
     }
 }
 
+/// Ctrl-C (SIGINT) while a notebook runs interrupts the running cell as the stop button would
+/// (at its next loop boundary; a second Ctrl-C at once), and no further cell runs. The returned
+/// flag says whether it came.
+fn interrupt_on_ctrl_c(engine: &Engine) -> Arc<AtomicBool> {
+    let pressed = Arc::new(AtomicBool::new(false));
+    let (engine, flag) = (engine.clone(), Arc::clone(&pressed));
+    let listening = std::thread::Builder::new()
+        .name("ctrl-c".into())
+        .spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            runtime.block_on(async move {
+                let kind = tokio::signal::unix::SignalKind::interrupt();
+                let Ok(mut signals) = tokio::signal::unix::signal(kind) else {
+                    return;
+                };
+                while signals.recv().await.is_some() {
+                    flag.store(true, Ordering::SeqCst);
+                    eprintln!(
+                        "[tchmem] Ctrl-C: the running cell stops at its next loop boundary \
+                         (Ctrl-C again stops it at once)"
+                    );
+                    engine.interrupt();
+                }
+            });
+        });
+    if let Err(error) = listening {
+        eprintln!("[tchmem] Ctrl-C will end the run at once (no thread to catch it: {error})");
+    }
+    pressed
+}
+
 /// Reads and checks a notebook before any time is spent starting the engine.
 pub fn load(path: &Path) -> anyhow::Result<Value> {
     let text =
@@ -139,6 +176,7 @@ pub fn execute(
 ) -> anyhow::Result<()> {
     let cells = notebook["cells"].as_array_mut().context("no cells")?;
     wait_for_engine(engine);
+    let ctrl_c = interrupt_on_ctrl_c(engine);
 
     let mut failures = Vec::new();
     let mut execution_count = 0;
@@ -148,7 +186,8 @@ pub fn execute(
         }
         let code = source_text(&cell["source"]);
         let expects_error = has_tag(cell, RAISES_EXCEPTION);
-        if failures.is_empty() || allow_errors {
+        let stopped = ctrl_c.load(Ordering::SeqCst);
+        if !stopped && (failures.is_empty() || allow_errors) {
             execution_count += 1;
             eprintln!("[tchmem] cell {}: running", index + 1);
             let started = chrono::Utc::now();
@@ -217,6 +256,10 @@ pub fn execute(
             }
             cell["outputs"] = Value::Array(outputs);
             cell["execution_count"] = json!(execution_count);
+            if ctrl_c.load(Ordering::SeqCst) {
+                eprintln!("[tchmem] stopped by Ctrl-C: no further cell runs");
+                failures.push(format!("cell {}: stopped by Ctrl-C", index + 1));
+            }
         } else {
             cell["outputs"] = json!([]);
             cell["execution_count"] = Value::Null;

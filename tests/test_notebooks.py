@@ -2,7 +2,9 @@
 kernelspec, and by `tchmem execute` through the same engine without Jupyter."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -103,6 +105,33 @@ def test_tchmem_execute_stops_at_a_failing_cell_and_says_why(tmp_path):
     assert run.returncode != 0
     executed = nbformat.read(out, as_version=4)
     assert executed.cells[2].outputs[-1]["data"]["text/plain"] == "2"
+
+
+def test_ctrl_c_in_tchmem_execute_stops_the_cell_at_a_loop_and_the_run(tmp_path):
+    """As in a terminal: Ctrl-C reaches the whole process group (tchmem and the process that runs
+    cells); the cell stops at a loop boundary, the live view was printed, no later cell runs."""
+    cells = [nbformat.v4.new_code_cell("let mut n = 0u64;"),
+             nbformat.v4.new_code_cell(
+                 "loop {\n    n += 1;\n    std::thread::sleep(std::time::Duration::from_millis(10));\n}"),
+             nbformat.v4.new_code_cell("n")]
+    src, out = tmp_path / "long.ipynb", tmp_path / "out.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), src)
+    run = subprocess.Popen([tchmem_bin(), "execute", str(src), "--output", str(out)],
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    for line in run.stderr:
+        seen.append(line)
+        if line.startswith("tchmem: running "):  # the live view, after the cell's first second
+            break
+    os.killpg(run.pid, signal.SIGINT)
+    _, rest = run.communicate(timeout=60)
+    stderr = "".join(seen) + rest
+    assert run.returncode != 0, stderr
+    assert "stopped by Ctrl-C" in stderr, stderr
+    executed = nbformat.read(out, as_version=4)
+    (error,) = [o for o in executed.cells[1].outputs if o["output_type"] == "error"]
+    assert error["ename"] == "Interrupted" and "variables kept" in error["evalue"], error
+    assert executed.cells[2].execution_count is None
 
 
 def test_tchmem_execute_runs_past_cells_tagged_raises_exception(tmp_path):
