@@ -35,11 +35,14 @@ NO_BOUNDARY = """(0..u64::MAX)
 
 
 def start(kc, code):
-    """Sends `code` and returns its msg_id once the cell has started (execute_input seen)."""
-    msg_id = kc.execute(code)
+    """Sends `code` with a first line that prints, and returns its msg_id once that line came
+    (the cell compiled and its code runs: an interrupt during the compile would stop it at its
+    first loop instead)."""
+    msg_id = kc.execute('println!("started");\n' + code)
     while True:
         msg = kc.get_iopub_msg(timeout=CELL_TIMEOUT)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                and "started" in msg["content"]["text"]):
             return msg_id
 
 
@@ -76,7 +79,7 @@ def test_an_interrupted_loop_stops_at_a_boundary_and_training_goes_on(kernel):
     took = replied - asked
     print(f"interrupt answered in {took:.2f} s")
     assert reply["status"] == "error" and reply["ename"] == "Interrupted", reply
-    match = re.match(r"stopped at the start of iteration ([\d,]+) of the loop at line 1; "
+    match = re.match(r"stopped at the start of iteration ([\d,]+) of the loop at line 2; "
                      r"variables kept", reply["evalue"])
     assert match, reply["evalue"]
     assert took < 1.0, f"the cell stopped {took:.2f} s after the interrupt"
@@ -97,7 +100,7 @@ def test_an_interrupted_loop_stops_at_a_boundary_and_training_goes_on(kernel):
     assert len(ids) == 1, ids
     assert all(m["msg_type"] == "update_display_data" for m in live[1:])
     text = live[-1]["content"]["data"]["text/plain"]
-    assert text.startswith("ran ") and re.search(r"iteration [\d,]+ of the loop at line 1 ", text), text
+    assert text.startswith("ran ") and re.search(r"iteration [\d,]+ of the loop at line 2 ", text), text
     assert "memory curves need CUDA" in text or "allocated" in text, text
 
 

@@ -73,9 +73,14 @@ pub struct Stopped;
 #[doc(hidden)]
 #[inline]
 pub fn __enter(site: &'static LoopSite) {
+    // A loop in a Drop run while a panic unwinds must not take the request (nor stop: a second
+    // unwind would abort).
+    if std::thread::panicking() {
+        return;
+    }
     // SAFETY: always valid to call.
     let this_thread = unsafe { libc::pthread_self() } as u64;
-    if run_state().enter_loop(site, this_thread) && !std::thread::panicking() {
+    if run_state().enter_loop(site, this_thread) {
         stop();
     }
 }

@@ -1,15 +1,19 @@
 //! Interrupts that keep the cell's variables: SIGINT (a terminal's Ctrl-C, or a frontend that
 //! signals the process group) and SIGUSR1 (the kernel's interrupt) only ask the running cell to
-//! stop at its next loop boundary (see [`tchmem_wire::progress::RunState`]). The kernel stops
+//! stop at its next loop boundary; SIGUSR2 withdraws a request no cell took (see [`tchmem_wire::progress::RunState`]). The kernel stops
 //! the process itself when no boundary comes.
 
 use std::sync::atomic::Ordering;
 
 use super::runtime_slot;
 
-extern "C" fn ask_to_stop(_signal: libc::c_int) {
+extern "C" fn ask_to_stop(signal: libc::c_int) {
     // Async-signal-safe: one compare-and-swap on an atomic in a static.
-    runtime_slot::run_state().request_interrupt();
+    if signal == libc::SIGUSR2 {
+        runtime_slot::run_state().forget_request();
+    } else {
+        runtime_slot::run_state().request_interrupt();
+    }
 }
 
 /// The id loops compare with the cell thread's (`pthread_self`, cheap on every iteration).
@@ -19,7 +23,7 @@ pub fn this_thread() -> u64 {
 }
 
 /// Makes the calling thread the one cells run on, and routes SIGINT and SIGUSR1 to the running
-/// cell.
+/// cell (SIGUSR2: the kernel forgets a request that came too late).
 pub fn install() {
     runtime_slot::run_state()
         .cell_thread
@@ -30,7 +34,7 @@ pub fn install() {
         action.sa_sigaction = ask_to_stop as *const () as usize;
         action.sa_flags = libc::SA_RESTART;
         libc::sigemptyset(&mut action.sa_mask);
-        for signal in [libc::SIGINT, libc::SIGUSR1] {
+        for signal in [libc::SIGINT, libc::SIGUSR1, libc::SIGUSR2] {
             if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
                 eprintln!(
                     "tchmem child: cannot handle signal {signal}: {}",

@@ -255,7 +255,9 @@ fn memory_text(memory: &MemoryNow) -> String {
 
 /// A ten-character bar for `count` of `total`.
 fn bar(count: u64, total: u64) -> String {
-    let filled = (count.min(total) * 10).checked_div(total).unwrap_or(0) as usize;
+    let filled = (u128::from(count.min(total)) * 10)
+        .checked_div(u128::from(total))
+        .unwrap_or(0) as usize;
     format!("[{}{}]", "#".repeat(filled), ".".repeat(10 - filled))
 }
 
@@ -375,5 +377,6 @@ mod tests {
     fn numbers_read_well() {
         assert_eq!(seconds(245.0), "4 min 05 s");
         assert_eq!(bar(5, 10), "[#####.....]");
+        assert_eq!(bar(u64::MAX, u64::MAX), "[##########]");
     }
 }

@@ -112,14 +112,30 @@ impl Control {
     }
 
     fn ask_child_to_stop(&self) {
-        let Some(pid) = self.child_pid() else { return };
-        // SAFETY: kill(2) on the child's pid; the child handles SIGUSR1 (child::interrupt).
-        if unsafe { libc::kill(pid as libc::pid_t, libc::SIGUSR1) } != 0 {
-            tracing::warn!(
-                "could not signal the child process: {}",
-                std::io::Error::last_os_error()
-            );
-        }
+        self.signal_child(libc::SIGUSR1);
+    }
+
+    /// Withdraws an interrupt request that no loop of the run took (after a run that was
+    /// interrupted: the request may have come after the cell's code ended, or the cell never ran).
+    pub fn forget_request(&self) {
+        self.signal_child(libc::SIGUSR2);
+    }
+
+    /// Sends `signal` to the child, holding its handle and only while it runs (a reaped child's
+    /// pid may belong to another process by now).
+    fn signal_child(&self, signal: libc::c_int) {
+        self.with_child(|child| {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return;
+            }
+            // SAFETY: kill(2) on our running child; it handles SIGUSR1/SIGUSR2 (child::interrupt).
+            if unsafe { libc::kill(child.id() as libc::pid_t, signal) } != 0 {
+                tracing::warn!(
+                    "could not signal the child process: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        });
     }
 
     /// Stops the child process (called with `running` held, or from the grace thread holding it).

@@ -114,9 +114,24 @@ pub fn user_position(checked: &str, (line, column): (usize, usize)) -> (usize, u
     (line, column - removed)
 }
 
-/// Whether a compile error is about an inserted check rather than the user's code.
-pub fn about_a_check(message: &str) -> bool {
-    message.contains("__at_loop")
+/// Whether a compile error is about an inserted check rather than the user's code: its message
+/// names the check, or one of its spans comes from the check's macro (rustc's JSON `expansion`).
+/// The rendered source is not read: a user's error on a loop's line shows the check there.
+pub fn about_a_check(message: &str, json: &serde_json::Value) -> bool {
+    fn expanded_from_a_check(value: &serde_json::Value) -> bool {
+        match value {
+            serde_json::Value::Object(map) => map.iter().any(|(key, value)| {
+                (key == "macro_decl_name"
+                    && value
+                        .as_str()
+                        .is_some_and(|name| name.contains("__at_loop")))
+                    || (key != "rendered" && expanded_from_a_check(value))
+            }),
+            serde_json::Value::Array(items) => items.iter().any(expanded_from_a_check),
+            _ => false,
+        }
+    }
+    message.contains("__at_loop") || expanded_from_a_check(json)
 }
 
 /// Loop bodies found: the loop keyword's position, the body's `{`, and the function it is in.
@@ -130,10 +145,17 @@ fn has_inner_attribute(attrs: &[Attribute]) -> bool {
     attrs.iter().any(|a| matches!(a.style, AttrStyle::Inner(_)))
 }
 
+/// Whether `body` asks `interrupted()` itself: it stops as it chooses (a check before it would
+/// take the request first).
+fn asks_itself(body: &Block) -> bool {
+    use quote::ToTokens;
+    body.to_token_stream().to_string().contains("interrupted")
+}
+
 impl Loops {
     fn body(&mut self, keyword: LineColumn, attrs: &[Attribute], body: &Block) {
         // An inner attribute must stay first in the body.
-        if !has_inner_attribute(attrs) {
+        if !has_inner_attribute(attrs) && !asks_itself(body) {
             let function = self.function.last().cloned().unwrap_or_default();
             self.found
                 .push((keyword, body.brace_token.span.open().start(), function));
@@ -158,7 +180,8 @@ impl<'ast> Visit<'ast> for Loops {
     }
 
     fn visit_item_fn(&mut self, node: &'ast syn::ItemFn) {
-        if node.sig.constness.is_none() {
+        // `extern "C"` fns: unwinding out of them aborts the process.
+        if node.sig.constness.is_none() && node.sig.abi.is_none() {
             self.function.push(node.sig.ident.to_string());
             visit::visit_item_fn(self, node);
             self.function.pop();
@@ -166,7 +189,7 @@ impl<'ast> Visit<'ast> for Loops {
     }
 
     fn visit_impl_item_fn(&mut self, node: &'ast syn::ImplItemFn) {
-        if node.sig.constness.is_none() {
+        if node.sig.constness.is_none() && node.sig.abi.is_none() {
             self.function.push(node.sig.ident.to_string());
             visit::visit_impl_item_fn(self, node);
             self.function.pop();
@@ -236,6 +259,16 @@ mod tests {
             None
         );
         assert_eq!(insert("for x in 0..2 { #![allow(unused)] }"), None);
+        assert_eq!(
+            insert("for x in 0..2 { if tchmem::interrupted() { break; } }"),
+            None,
+            "the loop asks itself"
+        );
+        assert_eq!(
+            insert("extern \"C\" fn f() { for _ in 0..2 {} }"),
+            None,
+            "no unwinding out of an extern fn"
+        );
         assert_eq!(insert("for x in 0..2 {"), None, "does not parse");
         // Multibyte text before a loop on the same line.
         let code = "let µ = [1, 2]; for v in µ { let _ = v; }";
@@ -244,6 +277,17 @@ mod tests {
             checked.contains("µ {::tchmem::__at_loop!(1, \"\"); let _"),
             "{checked}"
         );
+    }
+
+    #[test]
+    fn only_errors_from_a_check_are_about_a_check() {
+        let from_check = serde_json::json!({"spans": [{"expansion":
+            {"macro_decl_name": "::tchmem::__at_loop!"}}]});
+        assert!(about_a_check("calls in constants are limited", &from_check));
+        let users = serde_json::json!({"spans": [{"text": [{"text":
+            "for x in &undefined {::tchmem::__at_loop!(1, \"\");"}]}],
+            "rendered": "for x in &undefined {::tchmem::__at_loop!(1, \"\");"});
+        assert!(!about_a_check("cannot find value `undefined`", &users));
     }
 
     #[test]

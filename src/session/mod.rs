@@ -377,6 +377,9 @@ impl Session {
             .control
             .interrupt_requested
             .swap(false, Ordering::SeqCst);
+        if interrupted {
+            self.control.forget_request();
+        }
 
         let mut outcome = CellOutcome::default();
         let mut timing = None;
@@ -581,7 +584,7 @@ fn failed_on_a_check(result: &Result<evcxr::EvalOutputs, evcxr::Error>) -> bool 
     match result {
         Err(evcxr::Error::CompilationErrors(errors)) => errors
             .iter()
-            .any(|e| loop_checks::about_a_check(&format!("{e:?}"))),
+            .any(|e| loop_checks::about_a_check(&e.message(), &e.json)),
         _ => false,
     }
 }

@@ -214,8 +214,9 @@ fn deliver(current: &mut Current, name: StreamName, line: String) {
     }
     match classify(name, line) {
         Classified::Output(output) => {
-            if name == StreamName::Stdout {
-                // Output after held rich output: that was not the cell's last, so not its value.
+            // Output after held rich output: that was not the cell's last, so not its value. A
+            // live-view sample is not the cell's output (the last one comes after the value).
+            if name == StreamName::Stdout && !matches!(output, CellOutput::Live(_)) {
                 let held = current.leftovers.trailing.release();
                 current.show_blocks(held);
             }
@@ -445,6 +446,16 @@ mod tests {
         assert_eq!(seen, ["before\n", "text/html: <b>a</b>", "after\n"]);
         assert_eq!(result.len(), 1);
         assert_eq!(result[0].content, "<b>b</b>");
+    }
+
+    #[test]
+    fn a_live_sample_after_the_value_leaves_it_the_value() {
+        // The child sends a last sample when a long cell ends, after its value was printed.
+        let sample = tchmem_wire::CellMessage::Live(Default::default()).to_line();
+        let lines = [content("text/html", "<b>value</b>"), sample];
+        let (seen, result) = pumped(&lines, true);
+        assert_eq!(seen, ["live: 0"]);
+        assert_eq!(result.len(), 1, "still the cell's value");
     }
 
     #[test]

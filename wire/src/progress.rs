@@ -82,10 +82,11 @@ pub struct RunState {
     pub cell_thread: AtomicU64,
     /// Counts cell runs; loop counts of an older run start again.
     pub generation: AtomicU64,
-    /// The loops entered during this run, in the order first entered.
-    pub loops: [AtomicPtr<LoopSite>; MAX_LOOPS],
+    /// The loops entered during this run, in the order first entered (only sites, which live
+    /// as long as the process: private, so that nothing else can be stored).
+    loops: [AtomicPtr<LoopSite>; MAX_LOOPS],
     /// The loop the cell stopped at, after an interrupt.
-    pub stopped_at: AtomicPtr<LoopSite>,
+    stopped_at: AtomicPtr<LoopSite>,
     /// `tchmem::progress(step, total)`: the step (valid once `step_set`).
     pub step: AtomicU64,
     /// The total of steps (0: not given).
@@ -150,6 +151,15 @@ impl RunState {
             None
         };
         (stopped, state == SEEN)
+    }
+
+    /// Forgets an interrupt that is still only asked for (async-signal-safe: one atomic). The
+    /// kernel sends it after a run it interrupted, so that a request that came too late for that
+    /// run (or for a cell that never ran) does not stop the next one.
+    pub fn forget_request(&self) {
+        let _ =
+            self.interrupt
+                .compare_exchange(REQUESTED, IDLE, Ordering::SeqCst, Ordering::SeqCst);
     }
 
     /// Asks the cell to stop at its next loop boundary (async-signal-safe: one atomic).
@@ -404,6 +414,12 @@ mod tests {
             "seen by the code, not stopped at a loop"
         );
         assert_eq!(run.end_run(), (None, true));
+        run.request_interrupt();
+        run.forget_request();
+        assert!(
+            !run.enter_loop(&ASKING, 0),
+            "a forgotten request stops nothing"
+        );
     }
 
     #[test]
