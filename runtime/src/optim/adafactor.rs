@@ -3,7 +3,7 @@
 
 use tch::{nn, Kind, TchError, Tensor};
 
-use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Hyper, Optimizer};
+use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Hyper, Optimizer, Which};
 
 /// Adafactor: Adam-like scaling whose second moment of a matrix is kept as its row and column
 /// means (rank-1 factored), so it costs `rows + cols` instead of `rows × cols`.
@@ -115,11 +115,12 @@ fn rms(x: &Tensor) -> Tensor {
 }
 
 impl Algorithm for AdafactorState {
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which) {
         let c = self.config;
         grow(&mut self.params, params.len());
         tch::no_grad(|| {
-            for ((p, state), h) in params.iter().zip(&mut self.params).zip(hyper) {
+            let selected = params.iter().zip(&mut self.params).zip(hyper).enumerate();
+            for (_, ((p, state), h)) in selected.filter(|(i, _)| which.includes(*i)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let lr = h.lr;
                 let state = state.get_or_insert_with(|| {

@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_int};
 use tch::{nn, Kind, TchError, Tensor};
 use torch_sys::C_tensor;
 
-use super::{bytes, check, grow, Algorithm, Hyper, Optimizer};
+use super::{bytes, check, grow, Algorithm, Hyper, Optimizer, Which};
 use crate::ffi;
 
 extern "C" {
@@ -204,9 +204,9 @@ impl FusedAdam {
 impl FusedAdam {
     /// Gives the parameters about to take their first step (they have a gradient and no state)
     /// zero moments, and step counts in one new buffer per device.
-    fn start_new_parameters(&mut self, params: &[Tensor]) {
+    fn start_new_parameters(&mut self, params: &[Tensor], which: Which) {
         let new: Vec<usize> = (0..params.len())
-            .filter(|&i| self.state[i].is_none() && params[i].grad().defined())
+            .filter(|&i| which.includes(i) && self.state[i].is_none() && params[i].grad().defined())
             .collect();
         let mut devices: Vec<tch::Device> = Vec::new();
         for &i in &new {
@@ -251,9 +251,9 @@ struct FusedCall {
 }
 
 impl Algorithm for FusedAdam {
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which) {
         grow(&mut self.state, params.len());
-        self.start_new_parameters(params);
+        self.start_new_parameters(params, which);
         let AdamW {
             beta1,
             beta2,
@@ -263,7 +263,8 @@ impl Algorithm for FusedAdam {
         } = self.config;
         // One fused call per learning rate and weight decay (one for all without groups).
         let mut calls: BTreeMap<(u64, u64), FusedCall> = BTreeMap::new();
-        for ((p, state), h) in params.iter().zip(&mut self.state).zip(hyper) {
+        let selected = params.iter().zip(&mut self.state).zip(hyper).enumerate();
+        for (_, ((p, state), h)) in selected.filter(|(i, _)| which.includes(*i)) {
             let Some(moments) = state.as_mut().filter(|_| p.grad().defined()) else {
                 continue;
             };

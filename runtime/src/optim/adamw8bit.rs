@@ -3,7 +3,7 @@
 
 use tch::{nn, Device, Kind, TchError, Tensor};
 
-use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Hyper, Optimizer};
+use super::{bytes, check, decay, grad_f32, grow, zeros_f32, Algorithm, Hyper, Optimizer, Which};
 
 /// Elements processed at once per parameter, so that the f32 temporaries of a step stay small
 /// next to the 8-bit state of a large parameter (rounded to whole blocks).
@@ -231,7 +231,7 @@ impl AdamW8bitState {
 }
 
 impl Algorithm for AdamW8bitState {
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which) {
         let AdamW8bit {
             beta1,
             beta2,
@@ -242,7 +242,11 @@ impl Algorithm for AdamW8bitState {
         } = self.config;
         grow(&mut self.params, params.len());
         tch::no_grad(|| {
-            for (i, p) in params.iter().enumerate() {
+            for (i, p) in params
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| which.includes(*i))
+            {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (hyper[i].lr, hyper[i].wd_or(wd));
                 let n = p.numel();

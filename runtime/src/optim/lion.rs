@@ -2,7 +2,7 @@
 
 use tch::{nn, Kind, TchError, Tensor};
 
-use super::{bytes, check, decay, grad_f32, grow, Algorithm, Hyper, Optimizer};
+use super::{bytes, check, decay, grad_f32, grow, Algorithm, Hyper, Optimizer, Which};
 
 /// Lion: the update is the sign of an interpolation of momentum and gradient, so every element
 /// moves by exactly `lr`; weight decay is decoupled.
@@ -67,11 +67,12 @@ struct LionState {
 }
 
 impl Algorithm for LionState {
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which) {
         let Lion { beta1, beta2, wd } = self.config;
         grow(&mut self.momenta, params.len());
         tch::no_grad(|| {
-            for ((p, momentum), h) in params.iter().zip(&mut self.momenta).zip(hyper) {
+            let selected = params.iter().zip(&mut self.momenta).zip(hyper).enumerate();
+            for (_, ((p, momentum), h)) in selected.filter(|(i, _)| which.includes(*i)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (h.lr, h.wd_or(wd));
                 let m = momentum.get_or_insert_with(|| p.zeros_like());

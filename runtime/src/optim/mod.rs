@@ -26,12 +26,14 @@ use tch::{nn, COptimizer, Kind, TchError, Tensor};
 mod adafactor;
 mod adam;
 mod adamw8bit;
+mod in_backward;
 mod lion;
 mod sgd;
 
 pub use adafactor::Adafactor;
 pub use adam::{Adam, AdamW};
 pub use adamw8bit::AdamW8bit;
+pub use in_backward::InBackward;
 pub use lion::Lion;
 pub use sgd::Sgd;
 
@@ -60,11 +62,32 @@ impl Step for nn::Optimizer {
 pub trait Algorithm: Send {
     /// Updates `params` in place (under no-grad) from their gradients, each with its group's
     /// learning rate and weight decay (`hyper[i]` is `params[i]`'s).
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]);
+    /// Only the parameters `which` includes are touched.
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which);
     /// Bytes of the state tensors it keeps.
     fn state_bytes(&self) -> u64;
     /// A short name ("Lion", "AdamW8bit", …).
     fn name(&self) -> &'static str;
+}
+
+/// Which parameters an update takes: every one that has a gradient, or one (the step in
+/// backward updates each parameter as its gradient is ready).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// Every parameter with a gradient.
+    All,
+    /// Only the parameter of this index (if it has a gradient).
+    Only(usize),
+}
+
+impl Which {
+    /// Whether the parameter of `index` is taken.
+    pub fn includes(self, index: usize) -> bool {
+        match self {
+            Which::All => true,
+            Which::Only(only) => only == index,
+        }
+    }
 }
 
 /// The learning rate and weight decay a parameter is updated with: its group's.
@@ -159,6 +182,11 @@ impl Optimizer {
 
     /// Applies one update.
     pub fn step(&mut self) {
+        self.update(Which::All);
+    }
+
+    /// Updates the parameters `which` takes (each group's learning rate and weight decay).
+    fn update(&mut self, which: Which) {
         self.add_missing_variables();
         let hyper: Vec<Hyper> = self
             .groups
@@ -168,7 +196,14 @@ impl Optimizer {
                 wd: self.group_wd.get(group).copied().or(self.wd),
             })
             .collect();
-        self.algorithm.update(&self.params, &hyper);
+        self.algorithm.update(&self.params, &hyper, which);
+    }
+
+    /// The parameters, in the order of their indices (trainable variables as the store lists
+    /// them, new ones picked up first).
+    fn parameters(&mut self) -> &[Tensor] {
+        self.add_missing_variables();
+        &self.params
     }
 
     /// `zero_grad`, `loss.backward()`, `step`.

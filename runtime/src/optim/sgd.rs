@@ -2,7 +2,7 @@
 
 use tch::{nn, TchError, Tensor};
 
-use super::{bytes, check, grad_f32, grow, Algorithm, Hyper, Optimizer};
+use super::{bytes, check, grad_f32, grow, Algorithm, Hyper, Optimizer, Which};
 
 /// SGD with (optionally Nesterov) momentum and L2 weight decay, with PyTorch's semantics.
 ///
@@ -39,6 +39,19 @@ impl Default for Sgd {
     }
 }
 
+/// The same settings as tch's config (tch's default has no momentum; ours has 0.9): what
+/// `%%optimize --step-in-backward` uses to carry them over.
+impl From<nn::Sgd> for Sgd {
+    fn from(c: nn::Sgd) -> Sgd {
+        Sgd {
+            momentum: c.momentum,
+            dampening: c.dampening,
+            wd: c.wd,
+            nesterov: c.nesterov,
+        }
+    }
+}
+
 impl Sgd {
     /// An optimizer over `vs`'s trainable variables at learning rate `lr`.
     pub fn build(self, vs: &nn::VarStore, lr: f64) -> Result<Optimizer, TchError> {
@@ -65,7 +78,7 @@ struct SgdState {
 }
 
 impl Algorithm for SgdState {
-    fn update(&mut self, params: &[Tensor], hyper: &[Hyper]) {
+    fn update(&mut self, params: &[Tensor], hyper: &[Hyper], which: Which) {
         let Sgd {
             momentum,
             dampening,
@@ -74,7 +87,8 @@ impl Algorithm for SgdState {
         } = self.config;
         grow(&mut self.buffers, params.len());
         tch::no_grad(|| {
-            for ((p, buffer), h) in params.iter().zip(&mut self.buffers).zip(hyper) {
+            let selected = params.iter().zip(&mut self.buffers).zip(hyper).enumerate();
+            for (_, ((p, buffer), h)) in selected.filter(|(i, _)| which.includes(*i)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (h.lr, h.wd_or(wd));
                 let mut d = if wd != 0.0 {
