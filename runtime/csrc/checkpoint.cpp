@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include "error.h"
+#include "stored_input.h"
 
 #include <memory>
 #include <mutex>
@@ -163,10 +164,13 @@ struct Frame : std::enable_shared_from_this<Frame> {
       : segment(data, call, drop) {}
 
   Segment segment;
-  at::Tensor input;  // detached; shares the version counter
+  tchmem::StoredInput input;  // kept, quantized or offloaded; shares the version counter
   bool input_requires_grad = false;
   int64_t input_version = 0;
   std::unique_ptr<RunState> state;
+  // The segment that ran before this one (whose rerun comes next in backward), to prefetch its
+  // stored input while this one reruns.
+  std::weak_ptr<Frame> previous;
 
   // Placeholders made in the forward, and what each one stood for if it was packed (libtorch
   // asks for hooks for wrapped numbers too, then drops them unused).
@@ -184,6 +188,10 @@ struct Frame : std::enable_shared_from_this<Frame> {
   at::Tensor unpack(size_t index);
   void recompute();
 };
+
+// The last segment whose forward ran on this thread with a stored input (its successor's rerun
+// prefetches it).
+thread_local std::weak_ptr<Frame> last_stored;
 
 // The frame whose forward (or rerun) is running on this thread, innermost last.
 struct Active {
@@ -272,7 +280,7 @@ at::Tensor Frame::unpack(size_t index) {
 }
 
 void Frame::recompute() {
-  if (input._version() != input_version) {
+  if (input.version() != input_version) {
     throw std::runtime_error(
         "tchmem: the input of a checkpointed segment was modified in place (inside the segment "
         "or after it ran); backward needs it unchanged (clone it first)");
@@ -283,8 +291,10 @@ void Frame::recompute() {
   at::AutoGradMode grad(true);
   use_this_copys_engine();
   ActiveGuard active(this, true);
-  at::Tensor rerun_input = input.detach();
+  at::Tensor rerun_input = input.restore().detach();
   rerun_input.requires_grad_(input_requires_grad);
+  // Backward reruns segments last to first: bring the one before back while this one runs.
+  if (auto before = previous.lock()) before->input.prefetch();
   try {
     segment.run(rerun_input);
   } catch (const std::exception&) {
@@ -342,8 +352,11 @@ extern "C" {
 // Runs `call` on `input` as one checkpointed segment and stores the output in `*out` (a new
 // tensor owned by the caller). Takes ownership of `data` (freed with `drop`, also on error).
 // Without grad mode the segment simply runs. Returns 0, or -1 with a message in `err`.
+// `offload` and `compression` (tchmem::Compression's codes) say where the segment's input waits
+// for the rerun.
 int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop drop,
-                      const at::Tensor* input, at::Tensor** out, char* err, size_t err_len) {
+                      const at::Tensor* input, int offload, int compression, at::Tensor** out,
+                      char* err, size_t err_len) {
   return tchmem::guarded(
       [&] {
         use_this_copys_engine();
@@ -352,13 +365,22 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
           *out = new at::Tensor(frame->segment.run(*input));
           return;
         }
-        frame->input = input->detach();
         frame->input_requires_grad = input->requires_grad();
         frame->input_version = input->_version();
         // Dropout and other random ops must draw the same numbers when rerun.
         frame->state = std::make_unique<RunState>(RunState::current(input->device()));
-        ActiveGuard active(frame.get(), false);
-        *out = new at::Tensor(frame->segment.run(*input));
+        {
+          ActiveGuard active(frame.get(), false);
+          *out = new at::Tensor(frame->segment.run(*input));
+        }
+        const tchmem::Keeping keeping{offload != 0,
+                                      static_cast<tchmem::Compression>(compression)};
+        // Stored once the segment has run: the next segment starts as the copy goes.
+        frame->input.store(*input, keeping);
+        if (!keeping.plain()) {
+          frame->previous = last_stored;
+          last_stored = frame;
+        }
       },
       err, err_len);
 }

@@ -32,6 +32,8 @@ extern "C" {
         call: extern "C" fn(*mut c_void, *mut C_tensor, *mut c_char, usize) -> *mut C_tensor,
         drop: extern "C" fn(*mut c_void),
         input: *const C_tensor,
+        offload: c_int,
+        compression: c_int,
         out: *mut *mut C_tensor,
         err: *mut c_char,
         err_len: usize,
@@ -115,6 +117,53 @@ pub fn checkpoint<F>(segment: F, input: &Tensor) -> Tensor
 where
     F: Fn(&Tensor) -> Tensor + Send + 'static,
 {
+    checkpoint_with(segment, input, Keep::default())
+}
+
+/// How a segment's activations are compressed while they wait for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// 8-bit integers with a scale per row (the last dimension): absmax / 127, rounded, so each
+    /// element is off by at most half its row's scale.
+    Int8,
+    /// 8-bit floats (e4m3) with a scale per row: absmax / 448 (3 bits of mantissa).
+    Fp8,
+}
+
+impl Compression {
+    /// The shim's code for it.
+    fn code(this: Option<Compression>) -> c_int {
+        match this {
+            None => 0,
+            Some(Compression::Int8) => 1,
+            Some(Compression::Fp8) => 2,
+        }
+    }
+}
+
+/// Where a checkpointed segment keeps its input (the only activation checkpointing keeps)
+/// until backward reruns the segment. The default keeps it on the device as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Keep {
+    /// In pinned host memory: copied on a side stream once the segment has run (the device
+    /// memory is freed when the copy is done), and brought back one segment ahead of the rerun
+    /// that needs it, so about one segment's input is on the device at a time. Exact. A
+    /// checkpointed sequential model that offloads checkpoints its last segment too.
+    pub offload: bool,
+    /// Quantized (a quarter of f32's bytes, half of bf16's); the rerun, and so the gradients,
+    /// see the dequantized input.
+    pub compression: Option<Compression>,
+}
+
+/// [`checkpoint`], keeping the segment's input as `keep` says (offloaded to the host, or
+/// quantized, or both). Without CUDA an offloaded input is a copy in host memory.
+///
+/// # Panics
+/// As [`checkpoint`].
+pub fn checkpoint_with<F>(segment: F, input: &Tensor, keep: Keep) -> Tensor
+where
+    F: Fn(&Tensor) -> Tensor + Send + 'static,
+{
     quiet_rerun_stops();
     let boxed: Box<SegmentFn> = Box::new(Box::new(segment));
     let data = Box::into_raw(boxed) as *mut c_void;
@@ -125,6 +174,8 @@ where
             call_segment,
             drop_segment,
             input.as_ptr(),
+            c_int::from(keep.offload),
+            Compression::code(keep.compression),
             &mut out,
             err,
             len,
@@ -159,6 +210,7 @@ type Shared<M> = Arc<Mutex<Box<M>>>;
 struct Segmented<M: ?Sized> {
     layers: Vec<Shared<M>>,
     segments: Option<usize>,
+    keep: Keep,
 }
 
 impl<M: ?Sized> Default for Segmented<M> {
@@ -166,6 +218,7 @@ impl<M: ?Sized> Default for Segmented<M> {
         Segmented {
             layers: Vec::new(),
             segments: None,
+            keep: Keep::default(),
         }
     }
 }
@@ -175,6 +228,7 @@ impl<M: ?Sized> std::fmt::Debug for Segmented<M> {
         f.debug_struct("Segmented")
             .field("layers", &self.layers.len())
             .field("segments", &self.segments)
+            .field("keep", &self.keep)
             .finish()
     }
 }
@@ -195,15 +249,23 @@ impl<M: ?Sized + Send + 'static> Segmented<M> {
             x
         };
         let ranges = segment_ranges(self.layers.len(), self.segments);
-        let last = ranges.len().saturating_sub(1);
+        // The last segment's activations are needed at once by backward, so it is kept as it
+        // runs; with offload it is checkpointed too (its input waits on the host like the
+        // others'), so that no segment's activations are on the device when the forward pass
+        // ends: backward reruns it first, one more segment's forward.
+        let last = if self.keep.offload {
+            usize::MAX
+        } else {
+            ranges.len().saturating_sub(1)
+        };
+        let keep = self.keep;
         let mut x = xs.shallow_clone();
         for (i, range) in ranges.into_iter().enumerate() {
             let layers = self.layers[range].to_vec();
-            // The last segment's activations are needed at once by backward: keep them.
             x = if i == last {
                 run(&layers, &x)
             } else {
-                checkpoint(move |x| run(&layers, x), &x)
+                checkpoint_with(move |x| run(&layers, x), &x, keep)
             };
         }
         x
@@ -225,6 +287,19 @@ macro_rules! segmented_builder {
             /// Splits the layers into `segments` segments (default: √N rounded up).
             pub fn segments(mut self, segments: usize) -> Self {
                 self.0.segments = Some(segments);
+                self
+            }
+
+            /// Keeps the segments' inputs in pinned host memory until backward (see
+            /// [`Keep::offload`]).
+            pub fn offload(mut self) -> Self {
+                self.0.keep.offload = true;
+                self
+            }
+
+            /// Keeps the segments' inputs quantized until backward (see [`Compression`]).
+            pub fn compress(mut self, compression: Compression) -> Self {
+                self.0.keep.compression = Some(compression);
                 self
             }
 

@@ -14,6 +14,7 @@ pub mod display;
 pub mod error;
 pub mod estimate;
 mod ffi;
+pub mod fused_loss;
 pub mod hooks;
 pub mod interrupt;
 pub mod keep;

@@ -1,6 +1,6 @@
 //! Checkpointed models give the same gradients as plain ones (CPU, real libtorch).
 
-use tch::nn::{self, Module, ModuleT};
+use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 /// libtorch's CPU generator is global and tests run in parallel: a test that draws random
@@ -359,4 +359,139 @@ fn autograd_inside_a_segment_is_refused_not_deadlocked() {
     });
     let text = panic_text(result.expect_err("refused"));
     assert!(text.contains("not supported"), "{text}");
+}
+
+/// A checkpointed MLP whose segments keep their inputs as `keep` says.
+fn mlp_kept(root: nn::Path, keep: tchmem::checkpoint::Keep) -> Box<dyn ModuleT> {
+    let mut model = mlp_seq_for_keep(root);
+    if keep.offload {
+        model = model.offload();
+    }
+    if let Some(compression) = keep.compression {
+        model = model.compress(compression);
+    }
+    Box::new(model)
+}
+
+fn mlp_seq_for_keep(root: nn::Path) -> tchmem::checkpoint::SequentialT {
+    let dims = [16, 64, 64, 64, 64, 8];
+    let mut model = tchmem::checkpoint::seq_t().segments(4);
+    for (i, pair) in dims.windows(2).enumerate() {
+        model = model
+            .add(nn::linear(&root / i, pair[0], pair[1], Default::default()))
+            .add_fn(|x| x.gelu("none"))
+            .add_fn_t(|x, train| x.dropout(0.3, train));
+    }
+    model
+}
+
+#[test]
+fn offloaded_segment_inputs_give_the_same_gradients_to_the_bit() {
+    use tchmem::checkpoint::Keep;
+    let _turn = rng_turn();
+    let run = |keep: Keep| {
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp_kept(vs.root(), keep);
+        let x = Tensor::randn([32, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut grads = gradients(&vs, model.as_ref(), &x, 11);
+        grads.push(("input".into(), x.grad().copy()));
+        grads
+    };
+    let kept = run(Keep::default());
+    let offloaded = run(Keep {
+        offload: true,
+        compression: None,
+    });
+    assert_eq!(max_abs_diff(&kept, &offloaded), 0.0);
+}
+
+/// The gradient of `w` in `sum(x * w)` is the input the rerun saw: `x` as the stored input
+/// gives it back.
+fn rerun_input(x: &Tensor, keep: tchmem::checkpoint::Keep) -> Tensor {
+    let w = Tensor::ones(x.size(), (x.kind(), x.device())).set_requires_grad(true);
+    let w_in = w.shallow_clone();
+    let y = tchmem::checkpoint::checkpoint_with(move |x| x * &w_in, x, keep);
+    y.sum(Kind::Float).backward();
+    w.grad().copy()
+}
+
+#[test]
+fn int8_segment_inputs_are_off_by_at_most_half_a_step_of_their_row() {
+    let _turn = rng_turn();
+    use tchmem::checkpoint::{Compression, Keep};
+    let x = Tensor::randn([6, 50], (Kind::Float, Device::Cpu)) * 3.0;
+    for offload in [false, true] {
+        let seen = rerun_input(
+            &x,
+            Keep {
+                offload,
+                compression: Some(Compression::Int8),
+            },
+        );
+        let step = x.abs().amax([1], true) / 127.0;
+        let error = (&seen - &x).abs();
+        let worst = f64::try_from((&error - &step * 0.5).max()).unwrap();
+        assert!(worst <= 1e-6, "an element is {worst:e} beyond half a step");
+        assert!(
+            f64::try_from(error.max()).unwrap() > 0.0,
+            "nothing was quantized"
+        );
+    }
+}
+
+#[test]
+fn fp8_segment_inputs_keep_three_bits_of_mantissa() {
+    let _turn = rng_turn();
+    use tchmem::checkpoint::{Compression, Keep};
+    let x = Tensor::randn([6, 50], (Kind::Float, Device::Cpu));
+    let seen = rerun_input(
+        &x,
+        Keep {
+            offload: false,
+            compression: Some(Compression::Fp8),
+        },
+    );
+    // Relative rounding of e4m3: 2^-4; below its smallest normal, an absolute 2^-9 of the scale.
+    let scale = x.abs().amax([1], true) / 448.0;
+    let bound = x.abs() * 0.0625 + scale * 2f64.powi(-9);
+    let worst = f64::try_from(((&seen - &x).abs() - bound).max()).unwrap();
+    assert!(worst <= 1e-6, "{worst:e}");
+}
+
+#[test]
+fn compressed_and_offloaded_training_follows_the_kept_one() {
+    use tchmem::checkpoint::{Compression, Keep};
+    let _turn = rng_turn();
+    let train = |keep: Keep| {
+        tch::manual_seed(5);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp_kept(vs.root(), keep);
+        let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
+        let x = Tensor::randn([64, 16], (Kind::Float, Device::Cpu));
+        let target = x.narrow(1, 0, 8).sin();
+        let loss = |train| {
+            (model.forward_t(&x, train) - &target)
+                .square()
+                .mean(Kind::Float)
+        };
+        let first = f64::try_from(loss(false)).unwrap();
+        for _ in 0..60 {
+            opt.backward_step(&loss(true));
+        }
+        (first, f64::try_from(loss(false)).unwrap())
+    };
+    let (first, kept) = train(Keep::default());
+    let (_, rounded) = train(Keep {
+        offload: true,
+        compression: Some(Compression::Int8),
+    });
+    assert!(
+        kept < 0.8 * first,
+        "the kept model did not learn: {first} → {kept}"
+    );
+    assert!(
+        (rounded - kept).abs() <= 0.1 * kept,
+        "int8 inputs: {rounded}, kept: {kept}"
+    );
 }
