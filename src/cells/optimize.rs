@@ -175,7 +175,9 @@ impl<R: Runner> Cells<R> {
             source.body,
             Wanted {
                 batch: false,
-                optimizer: request.compare.is_some() || request.options.optimizer.is_some(),
+                optimizer: request.compare.is_some()
+                    || request.options.optimizer.is_some()
+                    || request.options.step_in_backward,
                 model: request.options.checkpoint.is_some(),
             },
         );

@@ -3,7 +3,7 @@
 use clap::{Parser, ValueEnum};
 
 use super::MagicReply;
-use crate::rewrite::{Amp, OptimizerChoice, Options};
+use crate::rewrite::{Amp, Compress, OptimizerChoice, Options};
 
 /// Mixed-precision kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -26,6 +26,25 @@ pub enum OptimizerArg {
     AdamW8bit,
     /// Adafactor: factored second moments, rows + columns per matrix.
     Adafactor,
+}
+
+/// How `--compress-activations` stores segment inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CompressArg {
+    /// 8-bit integers, a scale per row: each element within half a step of its row.
+    Int8,
+    /// 8-bit floats (e4m3), a scale per row: 3 bits of mantissa.
+    Fp8,
+}
+
+impl CompressArg {
+    /// The rewriter's value.
+    pub fn compress(self) -> Compress {
+        match self {
+            CompressArg::Int8 => Compress::Int8,
+            CompressArg::Fp8 => Compress::Fp8,
+        }
+    }
 }
 
 impl AmpArg {
@@ -110,6 +129,22 @@ pub struct OptimizeArgs {
     /// Swap the optimizer for one with less state.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<OptimizerArg>,
+    /// Compute a linear head and its cross-entropy together, chunk by chunk over the tokens: no
+    /// logits tensor (tokens × vocabulary) in forward or backward. CHUNK: tokens per chunk
+    /// (default: sized by the vocabulary).
+    #[arg(long, value_name = "CHUNK", num_args = 0..=1)]
+    pub fused_loss: Option<Option<u32>>,
+    /// With --checkpoint: keep each segment's input (all checkpointing keeps) in pinned host
+    /// memory until backward, brought back one segment ahead.
+    #[arg(long)]
+    pub offload: bool,
+    /// With --checkpoint: keep each segment's input quantized to 8 bits until backward.
+    #[arg(long, value_name = "FORMAT")]
+    pub compress_activations: Option<CompressArg>,
+    /// Update each parameter inside backward as soon as its gradient is complete, and free the
+    /// gradient: the model's gradients never all live at once.
+    #[arg(long)]
+    pub step_in_backward: bool,
     /// Show the rewritten code without running it.
     #[arg(long, conflicts_with = "compare")]
     pub show: bool,
@@ -125,7 +160,8 @@ pub struct OptimizeArgs {
         long,
         value_name = "SIZE",
         value_parser = parse_fit_target,
-        conflicts_with_all = ["checkpoint", "amp", "accumulate", "optimizer", "compare"]
+        conflicts_with_all = ["checkpoint", "amp", "accumulate", "optimizer", "compare",
+            "fused_loss", "offload", "compress_activations", "step_in_backward"]
     )]
     pub fit: Option<FitTarget>,
 }
@@ -162,6 +198,47 @@ impl OptimizeArgs {
                 ));
             }
         }
+        if let Some(Some(0)) = self.fused_loss {
+            return Err(
+                "--fused-loss 0: CHUNK is how many tokens each chunk holds; give at least \
+                        1, or leave it out for chunks sized by the vocabulary"
+                    .to_string(),
+            );
+        }
+        if self.checkpoint.is_none() {
+            let needs = match (self.offload, self.compress_activations) {
+                (true, _) => Some("--offload"),
+                (false, Some(_)) => Some("--compress-activations"),
+                _ => None,
+            };
+            if let Some(flag) = needs {
+                return Err(format!(
+                    "{flag} works on what --checkpoint keeps (each segment's input, the only \
+                     activation left): without --checkpoint every layer's activations are kept, \
+                     and moving or rounding them all would cost more than it saves. Add \
+                     --checkpoint"
+                ));
+            }
+        }
+        if self.step_in_backward {
+            if self.accumulate.is_some() {
+                return Err(
+                    "--step-in-backward with --accumulate: accumulation adds the \
+                            micro-batches' gradients before one step, so they must live across \
+                            backward passes, and the step in backward frees each at once. Use \
+                            one or the other"
+                        .to_string(),
+                );
+            }
+            if self.amp == Some(AmpArg::F16) {
+                return Err(
+                    "--step-in-backward with --amp f16: the f16 grad scaler must see \
+                            every gradient (for inf/nan) before any step, and the step in \
+                            backward takes each at once. Use --amp bf16 (no scaler needed)"
+                        .to_string(),
+                );
+            }
+        }
         if self.compare == Some(0) {
             return Err(
                 "--compare 0: STEPS is how many optimizer steps each version runs; it \
@@ -174,12 +251,17 @@ impl OptimizeArgs {
             amp: self.amp.map(AmpArg::amp),
             accumulate: self.accumulate,
             optimizer: self.optimizer.map(OptimizerArg::choice),
+            fused_loss: self.fused_loss,
+            offload: self.offload,
+            compress: self.compress_activations.map(CompressArg::compress),
+            step_in_backward: self.step_in_backward,
         };
         if options.is_empty() && self.fit.is_none() {
             return Err(
                 "%%optimize needs at least one rewrite: --checkpoint, --amp bf16|f16, \
-                        --accumulate K or --optimizer NAME, or --fit SIZE to choose them \
-                        (%%optimize --help explains each)"
+                        --accumulate K, --optimizer NAME, --fused-loss, --step-in-backward \
+                        (--offload and --compress-activations with --checkpoint), or --fit SIZE \
+                        to choose them (%%optimize --help explains each)"
                     .to_string(),
             );
         }
@@ -227,6 +309,7 @@ mod tests {
                 amp: Some(Amp::Bf16),
                 accumulate: Some(4),
                 optimizer: Some(OptimizerChoice::AdamW8bit),
+                ..Options::default()
             }
         );
         assert!(request.show);

@@ -12,7 +12,7 @@ use super::change::Change;
 use super::earlier::{ModelKind, ModelOrigin};
 use super::span::FORWARD_METHODS;
 use super::syntax::{as_ident, as_ref_ident, is_nn_path, strip_parens};
-use super::Refusal;
+use super::{Compress, Refusal};
 
 /// `nn::seq()` or `nn::seq_t()` (the function's name), if `expr` is one of those calls.
 fn seq_call(expr: &Expr) -> Option<&'static str> {
@@ -60,11 +60,13 @@ fn chain_root(mut expr: &Expr) -> Option<&'static str> {
 pub(crate) fn apply(
     block: &mut Block,
     segments: Option<u32>,
+    keep: Keep,
     models: &[ModelOrigin],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let mut rewriter = Rewriter {
         segments,
+        keep,
         found: Vec::new(),
     };
     rewriter.visit_block_mut(block);
@@ -103,12 +105,39 @@ pub(crate) fn apply(
              being kept"
             ),
         ));
+        if keep.offload {
+            changes.push(Change::at(
+                *line,
+                "--offload: `.offload()`: each segment's input (all checkpointing keeps) goes to \
+                 pinned host memory on a side stream once the segment has run, and comes back \
+                 one segment ahead of its rerun in backward",
+            ));
+        }
+        if let Some(compress) = keep.compress {
+            changes.push(Change::at(
+                *line,
+                format!(
+                    "--compress-activations {}: `.compress(…)`: each segment's input is kept in \
+                     8 bits with a scale per row and dequantized for its rerun (the gradients \
+                     see the rounded input)",
+                    compress.flag_value()
+                ),
+            ));
+        }
     }
     Ok(())
 }
 
+/// Where the rewritten model keeps its segments' inputs (`--offload`, `--compress-activations`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Keep {
+    pub offload: bool,
+    pub compress: Option<Compress>,
+}
+
 struct Rewriter {
     segments: Option<u32>,
+    keep: Keep,
     /// Line and function of each builder rewritten.
     found: Vec<(usize, &'static str)>,
 }
@@ -146,6 +175,14 @@ impl VisitMut for Rewriter {
         if let Some(n) = self.segments {
             let n = proc_macro2::Literal::u32_unsuffixed(n);
             *expr = syn::parse_quote!(#expr.segments(#n));
+        }
+        if self.keep.offload {
+            *expr = syn::parse_quote!(#expr.offload());
+        }
+        if let Some(compress) = self.keep.compress {
+            let variant =
+                proc_macro2::Ident::new(compress.runtime_variant(), proc_macro2::Span::call_site());
+            *expr = syn::parse_quote!(#expr.compress(tchmem::checkpoint::Compression::#variant));
         }
     }
 

@@ -21,6 +21,8 @@ mod change;
 mod checkpoint;
 mod compare;
 pub mod earlier;
+mod fused_loss;
+mod in_backward;
 mod optimizer;
 mod phases;
 mod span;
@@ -84,6 +86,33 @@ impl OptimizerChoice {
     }
 }
 
+/// How `--compress-activations` stores checkpointed segments' inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compress {
+    /// 8-bit integers, a scale per row.
+    Int8,
+    /// 8-bit floats (e4m3), a scale per row.
+    Fp8,
+}
+
+impl Compress {
+    /// The value the flag takes.
+    pub fn flag_value(self) -> &'static str {
+        match self {
+            Compress::Int8 => "int8",
+            Compress::Fp8 => "fp8",
+        }
+    }
+
+    /// The runtime's `tchmem::checkpoint::Compression` variant.
+    pub fn runtime_variant(self) -> &'static str {
+        match self {
+            Compress::Int8 => "Int8",
+            Compress::Fp8 => "Fp8",
+        }
+    }
+}
+
 /// Which rewrites to apply; `None` leaves that aspect of the cell alone.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Options {
@@ -96,6 +125,14 @@ pub struct Options {
     pub accumulate: Option<u32>,
     /// Swap the optimizer.
     pub optimizer: Option<OptimizerChoice>,
+    /// Fuse a linear head with its cross-entropy; the inner value is the tokens per chunk.
+    pub fused_loss: Option<Option<u32>>,
+    /// Keep checkpointed segments' inputs in pinned host memory (with `checkpoint`).
+    pub offload: bool,
+    /// Keep checkpointed segments' inputs quantized (with `checkpoint`).
+    pub compress: Option<Compress>,
+    /// Step each parameter inside backward, as soon as its gradient is complete.
+    pub step_in_backward: bool,
 }
 
 impl Options {
@@ -122,6 +159,20 @@ impl Options {
         }
         if let Some(choice) = self.optimizer {
             flags.push(format!("--optimizer {}", choice.flag_value()));
+        }
+        if self.offload {
+            flags.push("--offload".to_string());
+        }
+        if let Some(compress) = self.compress {
+            flags.push(format!("--compress-activations {}", compress.flag_value()));
+        }
+        match self.fused_loss {
+            Some(Some(chunk)) => flags.push(format!("--fused-loss {chunk}")),
+            Some(None) => flags.push("--fused-loss".to_string()),
+            None => {}
+        }
+        if self.step_in_backward {
+            flags.push("--step-in-backward".to_string());
         }
         flags.join(" ")
     }
@@ -273,7 +324,11 @@ pub(crate) fn rewrite_cell(
     }
     if let Some(segments) = options.checkpoint {
         if !skip("checkpoint", "--checkpoint", &mut changes) {
-            checkpoint::apply(&mut block, segments, &known.models, &mut changes)?;
+            let keep = checkpoint::Keep {
+                offload: options.offload,
+                compress: options.compress,
+            };
+            checkpoint::apply(&mut block, segments, keep, &known.models, &mut changes)?;
         }
     }
     let amp = options.amp.filter(|_| !skip("amp", "--amp", &mut changes));
@@ -284,6 +339,20 @@ pub(crate) fn rewrite_cell(
         }
         .flags();
         optimizer::fuse_adam(&mut block, &flag, &mut changes);
+    }
+    let stepping_in_backward = syntax::stmts_mention(&block.stmts, "in_backward");
+    if options.step_in_backward && !stepping_in_backward {
+        in_backward::apply(&mut block, &mut changes)?;
+    } else if options.step_in_backward {
+        changes.push(Change::general(
+            "--step-in-backward: skipped, the cell's optimizer already steps in backward \
+             (rewrite the original cell instead, to combine rewrites)",
+        ));
+    }
+    if let Some(chunk) = options.fused_loss {
+        if !skip("fused_loss", "--fused-loss", &mut changes) {
+            fused_loss::apply(&mut block, chunk, &mut names, &mut changes)?;
+        }
     }
     let accumulate = options
         .accumulate

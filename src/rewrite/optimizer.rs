@@ -112,7 +112,7 @@ pub(crate) fn config(receiver: &Expr) -> Option<Config> {
 }
 
 /// The `.build(vs, lr)` call of an optimizer config, if `expr` is one.
-fn as_build(expr: &Expr) -> Option<(&syn::ExprMethodCall, Config)> {
+pub(crate) fn as_build(expr: &Expr) -> Option<(&syn::ExprMethodCall, Config)> {
     match expr {
         Expr::MethodCall(call) if call.method == "build" && call.args.len() == 2 => {
             Some((call, config(&call.receiver)?))
@@ -375,7 +375,10 @@ fn state_note(choice: OptimizerChoice) -> &'static str {
 }
 
 /// The first call on an optimizer variable of a method `tchmem::optim::Optimizer` lacks.
-fn unsupported_call(block: &Block, variables: &[Ident]) -> Option<(Ident, String, usize)> {
+pub(crate) fn unsupported_call(
+    block: &Block,
+    variables: &[Ident],
+) -> Option<(Ident, String, usize)> {
     struct Finder<'v> {
         variables: &'v [Ident],
         found: Option<(Ident, String, usize)>,
@@ -403,7 +406,7 @@ fn unsupported_call(block: &Block, variables: &[Ident]) -> Option<(Ident, String
 }
 
 /// Whether the cell imports `Optimizer` from tch's `nn` (so a bare `Optimizer` type is tch's).
-fn imports_nn_optimizer(block: &Block) -> bool {
+pub(crate) fn imports_nn_optimizer(block: &Block) -> bool {
     block.stmts.iter().any(|stmt| match stmt {
         Stmt::Item(syn::Item::Use(item)) => {
             let text = item.to_token_stream().to_string();

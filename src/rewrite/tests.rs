@@ -19,7 +19,14 @@ fn reference(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-const LOOPS: [&str; 5] = ["mlp", "dropout", "struct_model", "epochs", "while_loop"];
+const LOOPS: [&str; 6] = [
+    "mlp",
+    "dropout",
+    "struct_model",
+    "epochs",
+    "while_loop",
+    "lm_head",
+];
 
 /// What the rewriter knows of earlier cells: these functions.
 fn known(functions: &[super::earlier::EarlierFn]) -> Known {
@@ -56,7 +63,18 @@ fn assert_parses(code: &str, what: &str) {
 }
 
 /// The rewrites checked against `tests/loops/rewritten/<loop>--<flags>.rs`.
-const GOLDEN: [(&str, &str); 24] = [
+const GOLDEN: [(&str, &str); 29] = [
+    ("lm_head", "--fused-loss"),
+    (
+        "lm_head",
+        "--checkpoint --offload --fused-loss 64 --step-in-backward",
+    ),
+    (
+        "lm_head",
+        "--checkpoint --compress-activations int8 --amp bf16 --fused-loss",
+    ),
+    ("mlp", "--step-in-backward"),
+    ("while_loop", "--optimizer adafactor --step-in-backward"),
     ("mlp", "--checkpoint"),
     ("mlp", "--checkpoint 2"),
     ("mlp", "--amp bf16"),
@@ -919,4 +937,100 @@ fn rewrite_changes_are_listed_in_line_order() {
         "{:?}",
         rewritten.changes
     );
+}
+
+#[test]
+fn rewrite_fused_loss_finds_tied_heads_and_struct_heads() {
+    // GPT's tied head, the loss written inline.
+    let tied = "let vs = nn::VarStore::new(device);\n\
+        let wte = nn::embedding(vs.root() / \"wte\", 1000, 64, Default::default());\n\
+        let mut opt = nn::AdamW::default().build(&vs, 1e-3).unwrap();\n\
+        for (xs, ys) in batches.iter() {\n\
+            let h = xs.apply(&wte).gelu(\"none\");\n\
+            let loss = h.matmul(&wte.ws.tr()).view([-1, 1000]).cross_entropy_loss(&ys.view([-1]), None::<Tensor>, tch::Reduction::Mean, -1, 0.0);\n\
+            opt.backward_step(&loss);\n\
+        }\n";
+    let rewritten = rewrite_ok(tied, "--fused-loss 128");
+    let code = rewritten
+        .code
+        .replace(char::is_whitespace, "")
+        .replace(",)", ")");
+    assert!(
+        code.contains(
+            "tchmem::fused_loss::FusedLoss::default().chunk(128).ignore_index(-1).loss(&h,&wte.ws,None,&ys.view([-1]))"
+        ),
+        "{}",
+        rewritten.code
+    );
+    assert!(rewritten
+        .changes
+        .iter()
+        .any(|c| c.what.contains("tied head `wte.ws`")));
+
+    // A struct whose forward returns hidden states, its head a field.
+    let fields = "struct Lm { body: nn::Sequential, head: nn::Linear }\n\
+        let vs = nn::VarStore::new(device);\n\
+        let lm = Lm { body: nn::seq(), head: nn::linear(vs.root() / \"head\", 64, 1000, Default::default()) };\n\
+        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();\n\
+        for (xs, ys) in batches.iter() {\n\
+            let loss = lm.head.forward(&xs.apply(&lm.body)).cross_entropy_for_logits(ys);\n\
+            opt.backward_step(&loss);\n\
+        }\n";
+    let code = rewrite_ok(fields, "--fused-loss")
+        .code
+        .replace(char::is_whitespace, "")
+        .replace(",)", ")");
+    assert!(
+        code.contains(
+            "tchmem::fused_loss::linear_cross_entropy(&xs.apply(&lm.body),&lm.head.ws,lm.head.bs.as_ref(),ys)"
+        ),
+        "{code}"
+    );
+}
+
+#[test]
+fn rewrite_new_techniques_refuse_with_their_reasons() {
+    // The model returns logits: the head is not apart.
+    let why = refusal(&reference("mlp"), "--fused-loss");
+    assert!(why.message.contains("not a linear head's output"), "{why}");
+    assert_eq!(why.line, Some(22));
+    // The logits are read again (an accuracy): the fused loss never makes them.
+    let reused = reference("lm_head").replace(
+        "total += loss.double_value(&[]);",
+        "total += loss.double_value(&[]) + logits.argmax(-1, false).double_value(&[0, 0]);",
+    );
+    let why = refusal(&reused, "--fused-loss");
+    assert!(why.message.contains("read again after the loss"), "{why}");
+    // Global-norm clipping needs every gradient first.
+    let clipped = reference("mlp").replace(
+        "opt.backward_step(&loss); // zero_grad, backward, step",
+        "opt.backward_step_clip_norm(&loss, 1.0);",
+    );
+    let why = refusal(&clipped, "--step-in-backward");
+    assert!(
+        why.message.contains("global norm needs every gradient"),
+        "{why}"
+    );
+    // tch's RMSprop has no tchmem counterpart to step per parameter.
+    let why = refusal(&reference("while_loop"), "--step-in-backward");
+    assert!(
+        why.message.contains("tch's RmsProp has no counterpart"),
+        "{why}"
+    );
+    assert_eq!(why.line, Some(10));
+    // Flags that need another flag, or exclude one.
+    for (flags, expected) in [
+        ("--offload", "Add --checkpoint"),
+        ("--compress-activations int8", "Add --checkpoint"),
+        ("--step-in-backward --accumulate 4", "must live across"),
+        ("--step-in-backward --amp f16", "Use --amp bf16"),
+        ("--fused-loss 0", "at least 1"),
+    ] {
+        let args: Vec<&str> = flags.split_whitespace().collect();
+        let message = match parse_args(&args) {
+            Err(crate::magics::MagicReply::Error(message)) => message,
+            other => panic!("{flags}: {other:?}"),
+        };
+        assert!(message.contains(expected), "{flags}: {message}");
+    }
 }

@@ -1,0 +1,491 @@
+//! `--fused-loss [CHUNK]`: a cross-entropy over a linear head's logits becomes
+//! `tchmem::fused_loss`'s, which computes the head and the loss chunk by chunk over the tokens
+//! and never makes the logits. The head is found where tch users write it: `h.apply(&head)` or
+//! `head.forward(&h)` with `head` an `nn::linear` of the cell (a `let`, or a struct field), a
+//! tied head `h.matmul(&wte.ws.tr())`, directly under the loss (through `view`/`reshape`) or
+//! bound to a variable that only the loss reads.
+
+use std::collections::BTreeSet;
+
+use proc_macro2::Ident;
+use quote::ToTokens;
+use syn::visit::{self, Visit};
+use syn::visit_mut::{self, VisitMut};
+use syn::{Block, Expr, ExprMethodCall, Stmt};
+
+use super::cell::line_of;
+use super::change::Change;
+use super::syntax::{as_ident, is_nn_path, single_name, strip_parens, Names};
+use super::Refusal;
+
+const FLAG: &str = "--fused-loss";
+
+/// Ops between the head and the loss that only reshape (the fused loss flattens by itself).
+const RESHAPES: [&str; 4] = ["view", "reshape", "flatten", "contiguous"];
+
+/// The linear layers a cell makes: `let head = nn::linear(…)`, fields `head: nn::linear(…)` or
+/// `head: nn::Linear`.
+#[derive(Default)]
+struct Linears {
+    variables: BTreeSet<String>,
+    fields: BTreeSet<String>,
+}
+
+impl Linears {
+    fn of(block: &Block) -> Linears {
+        struct Finder(Linears);
+        impl<'a> Visit<'a> for Finder {
+            fn visit_local(&mut self, local: &'a syn::Local) {
+                if let (Some(name), Some(init)) = (single_name(&local.pat), &local.init) {
+                    if makes_linear(&init.expr) {
+                        self.0.variables.insert(name);
+                    }
+                }
+                visit::visit_local(self, local);
+            }
+            fn visit_field_value(&mut self, field: &'a syn::FieldValue) {
+                if let syn::Member::Named(name) = &field.member {
+                    if makes_linear(&field.expr) {
+                        self.0.fields.insert(name.to_string());
+                    }
+                }
+                visit::visit_field_value(self, field);
+            }
+            fn visit_field(&mut self, field: &'a syn::Field) {
+                if let (Some(name), syn::Type::Path(ty)) = (&field.ident, &field.ty) {
+                    if is_nn_path(&ty.path, &["Linear"]) || ty.path.is_ident("Linear") {
+                        self.0.fields.insert(name.to_string());
+                    }
+                }
+                visit::visit_field(self, field);
+            }
+        }
+        let mut finder = Finder(Linears::default());
+        finder.visit_block(block);
+        finder.0
+    }
+
+    /// Whether `expr` (`head`, `&head`, `self.head`) is one of them.
+    fn is_linear(&self, expr: &Expr) -> bool {
+        let expr = match strip_parens(expr) {
+            Expr::Reference(r) => strip_parens(&r.expr),
+            other => other,
+        };
+        match expr {
+            Expr::Field(field) => match &field.member {
+                syn::Member::Named(name) => self.fields.contains(&name.to_string()),
+                syn::Member::Unnamed(_) => false,
+            },
+            other => as_ident(other).is_some_and(|name| self.variables.contains(&name.to_string())),
+        }
+    }
+}
+
+/// `nn::linear(…)`, perhaps with `?`/`.unwrap()` after it.
+fn makes_linear(expr: &Expr) -> bool {
+    match strip_parens(expr) {
+        Expr::Call(call) => match &*call.func {
+            Expr::Path(path) => is_nn_path(&path.path, &["linear"]),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// What the fused loss takes: the hidden states, the weight and the bias of the head.
+#[derive(Clone)]
+struct Head {
+    hidden: Expr,
+    weight: Expr,
+    bias: Option<Expr>,
+}
+
+/// The head whose logits `expr` is, if it is one.
+fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
+    let Expr::MethodCall(call) = strip_parens(expr) else {
+        return None;
+    };
+    let linear = |layer: &Expr, hidden: &Expr| {
+        let layer = match strip_parens(layer) {
+            Expr::Reference(r) => (*r.expr).clone(),
+            other => other.clone(),
+        };
+        Head {
+            hidden: hidden.clone(),
+            weight: syn::parse_quote!(#layer.ws),
+            bias: Some(syn::parse_quote!(#layer.bs.as_ref())),
+        }
+    };
+    match (call.method.to_string().as_str(), call.args.len()) {
+        ("apply", 1) if linears.is_linear(&call.args[0]) => {
+            Some(linear(&call.args[0], &call.receiver))
+        }
+        ("forward", 1) if linears.is_linear(&call.receiver) => {
+            Some(linear(&call.receiver, &call.args[0]))
+        }
+        // A tied head: `h.matmul(&wte.ws.tr())`.
+        ("matmul", 1) => {
+            let arg = match strip_parens(&call.args[0]) {
+                Expr::Reference(r) => strip_parens(&r.expr),
+                other => other,
+            };
+            let Expr::MethodCall(transposed) = arg else {
+                return None;
+            };
+            let transposes = match transposed.method.to_string().as_str() {
+                "tr" | "t" | "t_copy" => transposed.args.is_empty(),
+                "transpose" => transposed.args.len() == 2,
+                _ => false,
+            };
+            let weight = &transposed.receiver;
+            transposes.then(|| Head {
+                hidden: (*call.receiver).clone(),
+                weight: (**weight).clone(),
+                bias: None,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The logits expression under a cross-entropy call, past reshapes, and the loss's settings.
+struct Loss<'a> {
+    logits: &'a Expr,
+    targets: &'a Expr,
+    /// The ignored class, when not -100.
+    ignore_index: Option<Expr>,
+}
+
+/// `logits.cross_entropy_for_logits(&y)`, or `logits.cross_entropy_loss(&y, None, Mean, i,
+/// 0.0)`, past reshapes of the logits; `Err` with why for a `cross_entropy_loss` whose settings
+/// the fused loss does not have.
+fn as_loss(call: &ExprMethodCall) -> Option<Result<Loss<'_>, String>> {
+    let method = call.method.to_string();
+    let ignore_index = match (method.as_str(), call.args.len()) {
+        ("cross_entropy_for_logits", 1) => None,
+        ("cross_entropy_loss", 5) => {
+            let text = |i: usize| call.args[i].to_token_stream().to_string().replace(' ', "");
+            let mean = text(2).ends_with("Mean");
+            let smoothing_text = text(4);
+            let smoothing = smoothing_text.trim_end_matches("f64").trim_end_matches('0');
+            if text(1) != "None::<Tensor>" && text(1) != "None" || !mean || smoothing != "0." {
+                return Some(Err(
+                    "a cross_entropy_loss with class weights, another reduction than Mean or \
+                     label smoothing (the fused loss has the mean over targets, an ignored \
+                     class, nothing more)"
+                        .to_string(),
+                ));
+            }
+            let ignore = text(3);
+            (ignore != "-100").then(|| call.args[3].clone())
+        }
+        _ => return None,
+    };
+    let mut logits = &*call.receiver;
+    while let Expr::MethodCall(inner) = strip_parens(logits) {
+        if !RESHAPES.contains(&inner.method.to_string().as_str()) {
+            break;
+        }
+        logits = &inner.receiver;
+    }
+    Some(Ok(Loss {
+        logits,
+        targets: &call.args[0],
+        ignore_index,
+    }))
+}
+
+/// The fused loss's call.
+fn fused_call(head: &Head, targets: &Expr, chunk: Option<u32>, ignore: Option<&Expr>) -> Expr {
+    let Head {
+        hidden,
+        weight,
+        bias,
+    } = head;
+    let bias: Expr = match bias {
+        Some(bias) => bias.clone(),
+        None => syn::parse_quote!(None),
+    };
+    let (hidden, weight) = (borrowed(hidden), borrowed(weight));
+    if chunk.is_none() && ignore.is_none() {
+        return syn::parse_quote!(
+            tchmem::fused_loss::linear_cross_entropy(#hidden, #weight, #bias, #targets)
+        );
+    }
+    let mut config: Expr = syn::parse_quote!(tchmem::fused_loss::FusedLoss::default());
+    if let Some(chunk) = chunk {
+        let chunk = proc_macro2::Literal::i64_unsuffixed(i64::from(chunk));
+        config = syn::parse_quote!(#config.chunk(#chunk));
+    }
+    if let Some(ignore) = ignore {
+        config = syn::parse_quote!(#config.ignore_index(#ignore));
+    }
+    syn::parse_quote!(#config.loss(#hidden, #weight, #bias, #targets))
+}
+
+/// `&expr`, or `expr` itself when it is a reference already.
+fn borrowed(expr: &Expr) -> Expr {
+    match strip_parens(expr) {
+        Expr::Reference(_) => expr.clone(),
+        _ => syn::parse_quote!(&#expr),
+    }
+}
+
+/// Rewrites every cross-entropy over a linear head's logits in the cell.
+pub(crate) fn apply(
+    block: &mut Block,
+    chunk: Option<u32>,
+    names: &mut Names,
+    changes: &mut Vec<Change>,
+) -> Result<(), Refusal> {
+    let linears = Linears::of(block);
+    let mut fuser = Fuser {
+        linears: &linears,
+        chunk,
+        names,
+        done: Vec::new(),
+        missed: None,
+    };
+    fuser.visit_block_mut(block);
+    let how = match chunk {
+        Some(n) => format!("{n} tokens per chunk"),
+        None => "chunks sized by the vocabulary".to_string(),
+    };
+    if fuser.done.is_empty() {
+        return Err(match fuser.missed {
+            Some((line, why)) => Refusal::at(line, format!("{FLAG}: {why}")),
+            None => Refusal::new(
+                format!(
+                    "{FLAG} looks for a cross-entropy over a linear head's logits in this cell: \
+                     `h.apply(&head).cross_entropy_for_logits(&y)` or `head.forward(&h)…` with \
+                     `head` an nn::linear of the cell, or a tied head `h.matmul(&wte.ws.tr())`; \
+                     found none"
+                ),
+                None,
+            ),
+        });
+    }
+    for (line, head) in fuser.done {
+        changes.push(Change::at(
+            line,
+            format!(
+                "{FLAG}: {head} and the cross-entropy → tchmem::fused_loss ({how}): the loss and \
+                 its gradients computed chunk by chunk in the forward pass, no logits tensor in \
+                 forward or backward"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+struct Fuser<'a> {
+    linears: &'a Linears,
+    chunk: Option<u32>,
+    names: &'a mut Names,
+    /// Line and head of each loss rewritten.
+    done: Vec<(usize, String)>,
+    /// The first loss found that could not be rewritten, and why.
+    missed: Option<(usize, String)>,
+}
+
+impl Fuser<'_> {
+    fn miss(&mut self, line: usize, why: String) {
+        if self.missed.is_none() {
+            self.missed = Some((line, why));
+        }
+    }
+
+    /// The loss `expr` rewritten, if it is one over a head's logits; `bound` is the head of a
+    /// variable the loss reads (`let logits = h.apply(&head);`), renamed to the hidden states.
+    fn fuse(&mut self, expr: &Expr, bound: Option<(&Ident, &Head)>) -> Option<Expr> {
+        let Expr::MethodCall(call) = expr else {
+            return None;
+        };
+        let line = line_of(call.method.span());
+        let loss = match as_loss(call)? {
+            Ok(loss) => loss,
+            Err(why) => {
+                self.miss(line, why);
+                return None;
+            }
+        };
+        let head = match (head_of(loss.logits, self.linears), bound) {
+            (Some(head), _) => head,
+            (None, Some((name, head))) if as_ident(loss.logits) == Some(name) => head.clone(),
+            _ => {
+                let logits = loss.logits.to_token_stream().to_string();
+                self.miss(
+                    line,
+                    format!(
+                        "the loss takes `{logits}`, which is not a linear head's output this \
+                         cell shows: the fused loss needs the hidden states and the head apart. \
+                         Have the model return the hidden states and write the loss as \
+                         `h.apply(&head).cross_entropy_for_logits(&y)` (`head` an nn::linear of \
+                         this cell), or `h.matmul(&wte.ws.tr())` for a tied head"
+                    ),
+                );
+                return None;
+            }
+        };
+        let what = describe(&head);
+        self.done.push((line, what));
+        Some(fused_call(
+            &head,
+            loss.targets,
+            self.chunk,
+            loss.ignore_index.as_ref(),
+        ))
+    }
+}
+
+fn describe(head: &Head) -> String {
+    let weight = head.weight.to_token_stream().to_string().replace(' ', "");
+    match &head.bias {
+        Some(_) => format!("the head `{}`", weight.trim_end_matches(".ws")),
+        None => format!("the tied head `{weight}`"),
+    }
+}
+
+impl VisitMut for Fuser<'_> {
+    fn visit_block_mut(&mut self, block: &mut Block) {
+        // `let logits = h.apply(&head);` read only by the loss: bind the hidden states instead.
+        let mut i = 0;
+        while i < block.stmts.len() {
+            i += 1;
+            let Some((name, head)) = bound_head(&block.stmts[i - 1], self.linears) else {
+                continue;
+            };
+            let i = i - 1;
+            let uses: usize = block.stmts[i + 1..]
+                .iter()
+                .map(|s| count_uses(s, &name))
+                .sum();
+            // `let logits = hidden.apply(&head);`: the loss reads `hidden` itself; otherwise the
+            // statement binds the hidden states to a new name.
+            let direct = as_ident(&head.hidden).cloned();
+            let mut renamed = direct.clone().unwrap_or_else(|| self.names.fresh("hidden"));
+            renamed.set_span(name.span());
+            let mut rewriter = BoundLoss {
+                fuser: self,
+                name: &name,
+                renamed: &renamed,
+                head: &head,
+                rewrote: false,
+            };
+            let mut later: Vec<Stmt> = block.stmts[i + 1..].to_vec();
+            for stmt in &mut later {
+                rewriter.visit_stmt_mut(stmt);
+            }
+            if !rewriter.rewrote {
+                continue;
+            }
+            if uses > 1 {
+                let line = line_of(name.span());
+                self.done.pop();
+                self.miss(
+                    line,
+                    format!(
+                        "`{name}` (the logits) is read again after the loss; the fused loss never \
+                         makes them: compute what else reads them apart (under no_grad), or \
+                         leave {FLAG} out"
+                    ),
+                );
+                continue;
+            }
+            block.stmts.splice(i + 1.., later);
+            if direct.is_some() {
+                block.stmts.remove(i);
+                continue;
+            }
+            let hidden = head.hidden.clone();
+            if let Stmt::Local(local) = &mut block.stmts[i] {
+                rename_pattern(&mut local.pat, &renamed);
+                if let Some(init) = &mut local.init {
+                    *init.expr = hidden;
+                }
+            }
+        }
+        visit_mut::visit_block_mut(self, block);
+    }
+
+    fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        visit_mut::visit_expr_mut(self, expr);
+        if let Some(fused) = self.fuse(expr, None) {
+            *expr = fused;
+        }
+    }
+}
+
+/// Rewrites the loss that reads a bound head's logits.
+struct BoundLoss<'f, 'a> {
+    fuser: &'f mut Fuser<'a>,
+    name: &'f Ident,
+    renamed: &'f Ident,
+    head: &'f Head,
+    rewrote: bool,
+}
+
+impl VisitMut for BoundLoss<'_, '_> {
+    fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        visit_mut::visit_expr_mut(self, expr);
+        if self.rewrote {
+            return;
+        }
+        let Expr::MethodCall(call) = &*expr else {
+            return;
+        };
+        let reads_it = as_loss(call)
+            .and_then(Result::ok)
+            .is_some_and(|loss| as_ident(loss.logits) == Some(self.name));
+        if !reads_it {
+            return;
+        }
+        let renamed = self.renamed;
+        let head = Head {
+            hidden: syn::parse_quote!(#renamed),
+            ..self.head.clone()
+        };
+        if let Some(fused) = self.fuser.fuse(expr, Some((self.name, &head))) {
+            *expr = fused;
+            self.rewrote = true;
+        }
+    }
+}
+
+/// `let logits = <head>;` → the name and the head.
+fn bound_head(stmt: &Stmt, linears: &Linears) -> Option<(Ident, Head)> {
+    let Stmt::Local(local) = stmt else {
+        return None;
+    };
+    let name = match &local.pat {
+        syn::Pat::Ident(p) => p.ident.clone(),
+        syn::Pat::Type(t) => match &*t.pat {
+            syn::Pat::Ident(p) => p.ident.clone(),
+            _ => return None,
+        },
+        _ => return None,
+    };
+    let head = head_of(&local.init.as_ref()?.expr, linears)?;
+    Some((name, head))
+}
+
+fn rename_pattern(pat: &mut syn::Pat, to: &Ident) {
+    match pat {
+        syn::Pat::Ident(p) => p.ident = to.clone(),
+        syn::Pat::Type(t) => rename_pattern(&mut t.pat, to),
+        _ => {}
+    }
+}
+
+/// How often `stmt` names `name`.
+fn count_uses(stmt: &Stmt, name: &Ident) -> usize {
+    let mut count = 0;
+    super::syntax::walk_tokens(stmt.to_token_stream(), &mut |tree| {
+        if let proc_macro2::TokenTree::Ident(ident) = tree {
+            if ident == name {
+                count += 1;
+            }
+        }
+    });
+    count
+}
