@@ -7,7 +7,10 @@
 //!
 //! CONFIGs: plain checkpoint bf16 f16 accumulate4 sgd lion adamw8bit adafactor combined, and
 //! bf16-tch-adamw / f16-tch-adamw (mixed precision with tch's own AdamW, where `%%optimize --amp`
-//! uses tchmem's fused one: the optimizer's share of the step time).
+//! uses tchmem's fused one: the optimizer's share of the step time); the techniques beyond
+//! PyTorch's built-in ones: fused-loss, fused-loss-bf16, step-in-backward, offload (with
+//! checkpointing), compress-int8 (with checkpointing), and lowest (checkpointing, offload, bf16,
+//! the fused loss and Adafactor stepped in backward).
 
 use std::time::Instant;
 
@@ -75,11 +78,28 @@ pub struct Gpt {
 
 impl Gpt {
     pub fn new(vs: &nn::VarStore, layers: i64, seq: i64, checkpoint: bool) -> Gpt {
+        Gpt::with_kept_inputs(vs, layers, seq, checkpoint, Default::default())
+    }
+
+    /// A GPT whose checkpointed segments keep their inputs as `keep` says.
+    pub fn with_kept_inputs(
+        vs: &nn::VarStore,
+        layers: i64,
+        seq: i64,
+        checkpoint: bool,
+        keep: tchmem::checkpoint::Keep,
+    ) -> Gpt {
         let root = vs.root();
         let blocks: Box<dyn Module> = if checkpoint {
             // Every block its own segment, as torch.utils.checkpoint.checkpoint_sequential with
             // one segment per block: all but the last recomputed in backward.
             let mut s = tchmem::checkpoint::seq().segments(layers as usize);
+            if keep.offload {
+                s = s.offload();
+            }
+            if let Some(compression) = keep.compression {
+                s = s.compress(compression);
+            }
             for i in 0..layers {
                 s = s.add(Block::new(&root / "h" / i));
             }
@@ -100,10 +120,18 @@ impl Gpt {
     }
 
     pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
+        self.loss_with(idx, targets, false)
+    }
+
+    /// The loss, with the tied head and the cross-entropy fused (`tchmem::fused_loss`) or not.
+    pub fn loss_with(&self, idx: &Tensor, targets: &Tensor, fused: bool) -> Tensor {
         let (_, t) = idx.size2().unwrap();
         let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
         let x = self.wte.forward(idx) + self.wpe.forward(&pos);
         let x = self.ln_f.forward(&self.blocks.forward(&x));
+        if fused {
+            return tchmem::fused_loss::linear_cross_entropy(&x, &self.wte.ws, None, targets);
+        }
         // Tied output head.
         let logits = x.matmul(&self.wte.ws.tr());
         logits.view([-1, VOCAB]).cross_entropy_loss(
@@ -130,6 +158,7 @@ fn embedding_init() -> nn::EmbeddingConfig {
 enum Opt {
     Tch(nn::Optimizer),
     Ours(tchmem::optim::Optimizer),
+    InBackward(tchmem::optim::InBackward),
 }
 
 impl Step for Opt {
@@ -137,12 +166,14 @@ impl Step for Opt {
         match self {
             Opt::Tch(o) => o.step(),
             Opt::Ours(o) => o.step(),
+            Opt::InBackward(o) => o.step(),
         }
     }
     fn zero_grad(&mut self) {
         match self {
             Opt::Tch(o) => o.zero_grad(),
             Opt::Ours(o) => o.zero_grad(),
+            Opt::InBackward(o) => o.zero_grad(),
         }
     }
 }
@@ -180,6 +211,9 @@ struct Config {
     amp: Option<Kind>,
     micro_batches: i64,
     optimizer: &'static str,
+    fused_loss: bool,
+    in_backward: bool,
+    keep: tchmem::checkpoint::Keep,
 }
 
 fn config(name: &str) -> Config {
@@ -188,6 +222,9 @@ fn config(name: &str) -> Config {
         amp: None,
         micro_batches: 1,
         optimizer: "adamw",
+        fused_loss: false,
+        in_backward: false,
+        keep: tchmem::checkpoint::Keep::default(),
     };
     match name {
         "plain" => plain,
@@ -232,6 +269,51 @@ fn config(name: &str) -> Config {
             amp: Some(Kind::BFloat16),
             micro_batches: 4,
             optimizer: "adafactor",
+            ..plain
+        },
+        "fused-loss" => Config {
+            fused_loss: true,
+            ..plain
+        },
+        "fused-loss-bf16" => Config {
+            fused_loss: true,
+            amp: Some(Kind::BFloat16),
+            optimizer: "adamw-fused",
+            ..plain
+        },
+        // tch's AdamW has no per-parameter step: the rewrite makes it tchmem's (the same update).
+        "step-in-backward" => Config {
+            in_backward: true,
+            optimizer: "adamw-fused",
+            ..plain
+        },
+        "offload" => Config {
+            checkpoint: true,
+            keep: tchmem::checkpoint::Keep {
+                offload: true,
+                compression: None,
+            },
+            ..plain
+        },
+        "compress-int8" => Config {
+            checkpoint: true,
+            keep: tchmem::checkpoint::Keep {
+                offload: false,
+                compression: Some(tchmem::checkpoint::Compression::Int8),
+            },
+            ..plain
+        },
+        "lowest" => Config {
+            checkpoint: true,
+            amp: Some(Kind::BFloat16),
+            optimizer: "adafactor",
+            fused_loss: true,
+            in_backward: true,
+            keep: tchmem::checkpoint::Keep {
+                offload: true,
+                compression: None,
+            },
+            ..plain
         },
         other => panic!("unknown configuration {other}"),
     }
@@ -286,14 +368,17 @@ pub fn run(
     let mut phases = Phases::new();
     tch::manual_seed(0);
     let vs = nn::VarStore::new(device);
-    let model = Gpt::new(&vs, layers, seq, cfg.checkpoint);
+    let model = Gpt::with_kept_inputs(&vs, layers, seq, cfg.checkpoint, cfg.keep);
     phases.mark("model");
     let parameters: i64 = vs
         .trainable_variables()
         .iter()
         .map(|t| t.numel() as i64)
         .sum();
-    let mut opt = build_optimizer(cfg.optimizer, &vs);
+    let mut opt = match build_optimizer(cfg.optimizer, &vs) {
+        Opt::Ours(o) if cfg.in_backward => Opt::InBackward(o.in_backward()),
+        other => other,
+    };
     let mut scaler = (cfg.amp == Some(Kind::Half)).then(|| tchmem::amp::GradScaler::new(&vs));
     let idx = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
     let targets = Tensor::randint(VOCAB, [batch, seq], (Kind::Int64, device));
@@ -340,8 +425,10 @@ pub fn run(
             }
             mark(tchmem::phase::forward);
             let loss = match cfg.amp {
-                Some(kind) => tchmem::amp::autocast(kind, || model.loss(&x, &y)),
-                None => model.loss(&x, &y),
+                Some(kind) => {
+                    tchmem::amp::autocast(kind, || model.loss_with(&x, &y, cfg.fused_loss))
+                }
+                None => model.loss_with(&x, &y, cfg.fused_loss),
             };
             let loss = loss * weight;
             phases.mark("forward");
@@ -374,6 +461,7 @@ pub fn run(
     });
     let state_bytes = match &opt {
         Opt::Ours(o) => Some(o.state_bytes()),
+        Opt::InBackward(o) => Some(o.state_bytes()),
         Opt::Tch(_) => None,
     };
     let mut sorted = times[1..].to_vec();
@@ -381,7 +469,11 @@ pub fn run(
     serde_json::json!({
         "framework": "tch",
         "config": name,
-        "optimizer": cfg.optimizer,
+        "optimizer": if cfg.in_backward {
+            format!("{}-in-backward", cfg.optimizer)
+        } else {
+            cfg.optimizer.to_string()
+        },
         "parameters": parameters,
         "batch": batch, "seq": seq, "layers": layers, "steps": steps,
         "peak_allocated": stats.map(|s| s.peak.allocated),
