@@ -15,7 +15,6 @@
 #include "error.h"
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 
 namespace {
@@ -31,21 +30,6 @@ int64_t default_chunk(int64_t rows, int64_t hidden, int64_t vocab) {
   int64_t chunk = 1;
   while (chunk < per_chunk) chunk *= 2;
   return std::min(chunk, std::max<int64_t>(rows, 1));
-}
-
-// grad += a @ b with half-precision a, b and an f32 grad, accumulated by the matmul itself
-// (addmm's out_dtype form, CUDA's cuBLAS) rather than through a vocabulary × width temporary
-// per chunk. False where the form is not available (CPU), once it failed.
-bool accumulate_in_matmul(at::Tensor& grad, const at::Tensor& a, const at::Tensor& b) {
-  static std::atomic<bool> unavailable{false};
-  if (!grad.is_cuda() || unavailable.load()) return false;
-  try {
-    at::addmm_out(grad, grad, a, b, grad.scalar_type());
-    return true;
-  } catch (const c10::Error&) {
-    unavailable.store(true);
-    return false;
-  }
 }
 
 struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
@@ -105,20 +89,16 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
       const at::Tensor valid = valid_all.narrow(0, start, len);
       const at::Tensor index = t.narrow(0, start, len).masked_fill(valid.logical_not(), 0).unsqueeze(1);
       at::Tensor logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
-      // The loss per row, log-sum-exp minus the target's logit, in f32 (at least); then the
-      // softmax, in the logits' dtype (the kernel accumulates in f32 for half types, so the
-      // chunk is not copied to f32 for it).
-      {
-        const at::Tensor scores = logits.to(accumulate);  // the logits themselves when f32
-        const at::Tensor lse = scores.logsumexp(1, true);
-        const at::Tensor picked = scores.gather(1, index);
-        loss_sum.add_(((lse - picked).squeeze(1) * valid).sum());
-      }
-      if (!(need_hidden || need_weight || need_bias)) continue;
-      at::Tensor probs = at::_softmax(logits, 1, false);
+      at::Tensor scores = logits.to(accumulate);  // the logits themselves when already f32
       logits = at::Tensor();
+      const at::Tensor lse = scores.logsumexp(1, true);
+      const at::Tensor picked = scores.gather(1, index);
+      loss_sum.add_(((lse - picked).squeeze(1) * valid).sum());
+      if (!(need_hidden || need_weight || need_bias)) continue;
       // d loss / d logits = (softmax - one_hot) * valid / count. The per-row factor is applied
       // to the small side of each matmul (rows × width), not to the chunk's logits.
+      at::Tensor probs = at::_softmax(scores, 1, false);
+      scores = at::Tensor();
       probs.scatter_add_(1, index, at::full({len, 1}, -1.0, probs.options()));
       const at::Tensor grad_logits = probs.to(compute);
       probs = at::Tensor();
@@ -132,7 +112,7 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
         const at::Tensor scaled = hc * scale_c;
         if (compute == grad_w.scalar_type()) {
           grad_w.addmm_(grad_logits.t(), scaled);  // accumulated inside the matmul
-        } else if (!accumulate_in_matmul(grad_w, grad_logits.t(), scaled)) {
+        } else {
           grad_w.add_(at::mm(grad_logits.t(), scaled));
         }
       }

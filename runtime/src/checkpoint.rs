@@ -147,8 +147,7 @@ impl Compression {
 pub struct Keep {
     /// In pinned host memory: copied on a side stream once the segment has run (the device
     /// memory is freed when the copy is done), and brought back one segment ahead of the rerun
-    /// that needs it, so about one segment's input is on the device at a time. Exact. A
-    /// checkpointed sequential model that offloads checkpoints its last segment too.
+    /// that needs it, so about one segment's input is on the device at a time. Exact.
     pub offload: bool,
     /// Quantized (a quarter of f32's bytes, half of bf16's); the rerun, and so the gradients,
     /// see the dequantized input.
@@ -249,15 +248,8 @@ impl<M: ?Sized + Send + 'static> Segmented<M> {
             x
         };
         let ranges = segment_ranges(self.layers.len(), self.segments);
-        // The last segment's activations are needed at once by backward, so it is kept as it
-        // runs; with offload it is checkpointed too (its input waits on the host like the
-        // others'), so that no segment's activations are on the device when the forward pass
-        // ends: backward reruns it first, one more segment's forward.
-        let last = if self.keep.offload {
-            usize::MAX
-        } else {
-            ranges.len().saturating_sub(1)
-        };
+        // The last segment's activations are needed at once by backward: keep them.
+        let last = ranges.len().saturating_sub(1);
         let keep = self.keep;
         let mut x = xs.shallow_clone();
         for (i, range) in ranges.into_iter().enumerate() {

@@ -70,13 +70,14 @@ class Gpt(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         if self.offload:
             # Non-reentrant checkpointing saves each segment's input through the saved-tensor
-            # hooks in force (these), what the segment saves inside through its own. Every
-            # block is checkpointed, the last one too, as tchmem's offloading sequential does
-            # (checkpoint_sequential would keep the last block's activations, and inside
-            # save_on_cpu move them all to the host).
+            # hooks in force (these), what the segment saves inside through its own. Only the
+            # checkpointed segments run under them, as in gpt_bench.rs: the last block (not
+            # recomputed) keeps its activations on the device (checkpoint_sequential inside
+            # save_on_cpu would move those to the host too).
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                for block in self.h:
+                for block in self.h[:-1]:
                     x = checkpoint(block, x, use_reentrant=False)
+            x = self.h[-1](x)
         else:
             x = self.blocks(x)
         x = self.ln_f(x)
@@ -284,7 +285,7 @@ CONFIGS = {
                              anchor="post-accumulate-grad hooks, AdamW(fused=True) per parameter"),
     # Checkpointing with the segment inputs in pinned host memory.
     "offload": dict(checkpoint=True, offload=True,
-                    anchor="checkpoint per block (the last too) inside save_on_cpu(pin_memory=True)"),
+                    anchor="checkpoint per block + save_on_cpu(pin_memory=True) around the checkpointed ones"),
     # compress-int8 has no PyTorch counterpart (main prints a "skipped" line).
     # The lowest-memory recipe, PyTorch's way: checkpointing with offload, bf16 autocast, the
     # fused loss and Adafactor stepped in backward, no accumulation.
