@@ -369,14 +369,17 @@ int tchmem_checkpoint(void* data, tchmem_segment_call call, tchmem_segment_drop 
         frame->input_version = input->_version();
         // Dropout and other random ops must draw the same numbers when rerun.
         frame->state = std::make_unique<RunState>(RunState::current(input->device()));
+        at::Tensor result;
         {
           ActiveGuard active(frame.get(), false);
-          *out = new at::Tensor(frame->segment.run(*input));
+          result = frame->segment.run(*input);
         }
         const tchmem::Keeping keeping{offload != 0,
                                       static_cast<tchmem::Compression>(compression)};
-        // Stored once the segment has run: the next segment starts as the copy goes.
+        // Stored once the segment has run: the next segment starts as the copy goes. The
+        // output is handed over only after (a failed store must not leak it).
         frame->input.store(*input, keeping);
+        *out = new at::Tensor(std::move(result));
         if (!keeping.plain()) {
           frame->previous = last_stored;
           last_stored = frame;

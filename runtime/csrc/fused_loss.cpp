@@ -36,7 +36,8 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
   // `bias` with no elements stands for none (autograd takes no undefined inputs).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& given_bias,
-                            const at::Tensor& targets, int64_t chunk, int64_t ignore_index) {
+                            const at::Tensor& targets, int64_t chunk, int64_t ignore_index,
+                            bool grad_enabled) {
     const at::Tensor bias = given_bias.numel() > 0 ? given_bias : at::Tensor();
     const int64_t width = hidden.size(-1);
     TORCH_CHECK(weight.dim() == 2 && weight.size(1) == width,
@@ -67,9 +68,11 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
 
     const at::Tensor w = weight.to(compute);
     const at::Tensor b = bias.defined() ? bias.to(compute) : at::Tensor();
-    const bool need_hidden = hidden.requires_grad();
-    const bool need_weight = weight.requires_grad();
-    const bool need_bias = bias.defined() && bias.requires_grad();
+    // apply() turns grad mode off around forward: the caller's mode says whether gradients
+    // will be asked for (an evaluation loss under no_grad computes none).
+    const bool need_hidden = grad_enabled && hidden.requires_grad();
+    const bool need_weight = grad_enabled && weight.requires_grad();
+    const bool need_bias = grad_enabled && bias.defined() && bias.requires_grad();
     const at::ScalarType weight_acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 
     at::Tensor grad_h = need_hidden ? at::empty_like(h) : at::Tensor();
@@ -78,8 +81,10 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     at::Tensor grad_b = need_bias ? at::zeros({vocab}, bias.options().dtype(weight_acc))
                                   : at::Tensor();
     const at::Tensor valid_all = t.ne(ignore_index);
-    // Kept on the device: no synchronisation to read the count.
+    // Kept on the device: no synchronisation to read the count. With every target ignored the
+    // loss is 0/0 (NaN, as nll_loss's) and the gradients are zero (as its backward's).
     const at::Tensor count = valid_all.sum().to(accumulate);
+    const at::Tensor grad_count = count.clamp_min(1);
     at::Tensor loss_sum = at::zeros({}, h.options().dtype(accumulate));
 
     if (chunk <= 0) chunk = default_chunk(rows, width, vocab);
@@ -102,7 +107,7 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
       probs.scatter_add_(1, index, at::full({len, 1}, -1.0, probs.options()));
       const at::Tensor grad_logits = probs.to(compute);
       probs = at::Tensor();
-      const at::Tensor row_scale = valid.unsqueeze(1).to(accumulate).div_(count);
+      const at::Tensor row_scale = valid.unsqueeze(1).to(accumulate).div_(grad_count);
       if (need_hidden) {
         at::Tensor rows_out = grad_h.narrow(0, start, len);
         rows_out.copy_(at::mm(grad_logits, w).mul_(row_scale));
@@ -126,6 +131,9 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fused loss: double backward (create_graph) is not supported: its gradients are "
+                "computed in the forward pass, without a graph of their own");
     TORCH_CHECK(!(ctx->saved_data.count("done") > 0),
                 "fused loss: backward ran twice through one loss (retain_graph): its gradients "
                 "were computed in the forward pass and given away the first time");
@@ -142,7 +150,8 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
     at::Tensor grad_hidden = take("hidden");
     at::Tensor grad_weight = take("weight");
     at::Tensor grad_bias = take("bias");
-    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_hidden, grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -160,8 +169,9 @@ int tchmem_fused_linear_cross_entropy(const at::Tensor* hidden, const at::Tensor
       [&] {
         const at::Tensor no_bias = at::empty({0}, weight->options().requires_grad(false));
         TORCH_CHECK(bias == nullptr || bias->numel() > 0, "fused loss: the bias is empty");
+        const bool grad_enabled = at::GradMode::is_enabled();
         *out = new at::Tensor(FusedLinearCrossEntropy::apply(
-            *hidden, *weight, bias ? *bias : no_bias, *targets, chunk, ignore_index));
+            *hidden, *weight, bias ? *bias : no_bias, *targets, chunk, ignore_index, grad_enabled));
       },
       err, err_len);
 }

@@ -211,3 +211,31 @@ fn a_second_backward_through_one_loss_says_why_it_cannot() {
     };
     assert!(message.contains("backward ran twice"), "{message}");
 }
+
+#[test]
+fn all_targets_ignored_give_a_nan_loss_and_zero_gradients_as_nll_loss_does() {
+    let case = case(Kind::Double, 8);
+    let ignored = case.targets.full_like(fused_loss::IGNORE_INDEX);
+    let loss =
+        fused_loss::linear_cross_entropy(&case.hidden, &case.weight, Some(&case.bias), &ignored);
+    assert!(f64::try_from(&loss).unwrap().is_nan());
+    loss.backward();
+    for grad in [case.hidden.grad(), case.weight.grad(), case.bias.grad()] {
+        assert_eq!(f64::try_from(grad.abs().max()).unwrap(), 0.0);
+    }
+}
+
+#[test]
+fn under_no_grad_the_loss_is_the_same_and_no_gradient_is_kept() {
+    let case = case(Kind::Double, 9);
+    let with_grad =
+        fused_loss::linear_cross_entropy(&case.hidden, &case.weight, None, &case.targets);
+    let evaluated = tch::no_grad(|| {
+        fused_loss::linear_cross_entropy(&case.hidden, &case.weight, None, &case.targets)
+    });
+    assert!(!evaluated.requires_grad());
+    assert_eq!(
+        f64::try_from(&with_grad).unwrap(),
+        f64::try_from(&evaluated).unwrap()
+    );
+}

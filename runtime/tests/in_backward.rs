@@ -149,3 +149,21 @@ fn tchs_own_optimizer_still_trains_the_store_after_one_in_backward_went() {
     }
     assert!(f64::try_from(net.loss(0)).unwrap() < first);
 }
+
+#[test]
+fn a_frozen_parameter_is_left_alone_and_hooked_once_it_trains_again() {
+    let net = Net::new();
+    let _ = net.shared.shallow_clone().set_requires_grad(false);
+    let mut opt = Sgd::default().build(&net.vs, 0.1).unwrap().in_backward();
+    let (first, shared) = (net.first.ws.copy(), net.shared.copy());
+    opt.backward_step(&net.loss(0));
+    assert!(f64::try_from((&net.first.ws - first).abs().max()).unwrap() > 0.0);
+    assert_eq!(
+        f64::try_from((&net.shared - &shared).abs().max()).unwrap(),
+        0.0
+    );
+    let _ = net.shared.shallow_clone().set_requires_grad(true);
+    opt.backward_step(&net.loss(1));
+    assert!(f64::try_from((&net.shared - shared).abs().max()).unwrap() > 0.0);
+    assert!(!net.shared.grad().defined(), "its gradient was kept");
+}

@@ -121,7 +121,11 @@ fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
             Some(linear(&call.args[0], &call.receiver))
         }
         ("forward", 1) if linears.is_linear(&call.receiver) => {
-            Some(linear(&call.receiver, &call.args[0]))
+            let hidden = match strip_parens(&call.args[0]) {
+                Expr::Reference(r) if r.mutability.is_none() => &*r.expr,
+                other => other,
+            };
+            Some(linear(&call.receiver, hidden))
         }
         // A tied head: `h.matmul(&wte.ws.tr())`.
         ("matmul", 1) => {
@@ -349,20 +353,23 @@ fn describe(head: &Head) -> String {
 impl VisitMut for Fuser<'_> {
     fn visit_block_mut(&mut self, block: &mut Block) {
         // `let logits = h.apply(&head);` read only by the loss: bind the hidden states instead.
-        let mut i = 0;
-        while i < block.stmts.len() {
-            i += 1;
-            let Some((name, head)) = bound_head(&block.stmts[i - 1], self.linears) else {
+        let mut next = 0;
+        while next < block.stmts.len() {
+            let i = next;
+            next += 1;
+            let Some((name, head)) = bound_head(&block.stmts[i], self.linears) else {
                 continue;
             };
-            let i = i - 1;
             let uses: usize = block.stmts[i + 1..]
                 .iter()
                 .map(|s| count_uses(s, &name))
                 .sum();
-            // `let logits = hidden.apply(&head);`: the loss reads `hidden` itself; otherwise the
-            // statement binds the hidden states to a new name.
-            let direct = as_ident(&head.hidden).cloned();
+            // `let logits = h.apply(&head);` right above the loss: the loss reads `h` itself and
+            // the statement goes. Otherwise the statement binds a reference to the hidden states
+            // under a new name (so that nothing between reads another `h`, and nothing moves).
+            let direct = as_ident(&head.hidden)
+                .filter(|_| block.stmts.get(i + 1).is_some_and(|s| loss_reads(s, &name)))
+                .cloned();
             let mut renamed = direct.clone().unwrap_or_else(|| self.names.fresh("hidden"));
             renamed.set_span(name.span());
             let mut rewriter = BoundLoss {
@@ -385,7 +392,7 @@ impl VisitMut for Fuser<'_> {
                 self.miss(
                     line,
                     format!(
-                        "`{name}` (the logits) is read again after the loss; the fused loss never \
+                        "`{name}` (the logits) is read by more than the loss; the fused loss never \
                          makes them: compute what else reads them apart (under no_grad), or \
                          leave {FLAG} out"
                     ),
@@ -395,13 +402,20 @@ impl VisitMut for Fuser<'_> {
             block.stmts.splice(i + 1.., later);
             if direct.is_some() {
                 block.stmts.remove(i);
+                next = i;
                 continue;
             }
-            let hidden = head.hidden.clone();
+            let hidden = &head.hidden;
             if let Stmt::Local(local) = &mut block.stmts[i] {
-                rename_pattern(&mut local.pat, &renamed);
+                local.pat = syn::Pat::Ident(syn::PatIdent {
+                    attrs: Vec::new(),
+                    by_ref: None,
+                    mutability: None,
+                    ident: renamed.clone(),
+                    subpat: None,
+                });
                 if let Some(init) = &mut local.init {
-                    *init.expr = hidden;
+                    *init.expr = syn::parse_quote!(&(#hidden));
                 }
             }
         }
@@ -469,23 +483,40 @@ fn bound_head(stmt: &Stmt, linears: &Linears) -> Option<(Ident, Head)> {
     Some((name, head))
 }
 
-fn rename_pattern(pat: &mut syn::Pat, to: &Ident) {
-    match pat {
-        syn::Pat::Ident(p) => p.ident = to.clone(),
-        syn::Pat::Type(t) => rename_pattern(&mut t.pat, to),
-        _ => {}
-    }
-}
-
-/// How often `stmt` names `name`.
+/// How often `stmt` names `name`, format strings' captures (`{logits:?}`) included.
 fn count_uses(stmt: &Stmt, name: &Ident) -> usize {
+    let captured = [format!("{{{name}}}"), format!("{{{name}:")];
     let mut count = 0;
-    super::syntax::walk_tokens(stmt.to_token_stream(), &mut |tree| {
-        if let proc_macro2::TokenTree::Ident(ident) = tree {
-            if ident == name {
-                count += 1;
-            }
+    super::syntax::walk_tokens(stmt.to_token_stream(), &mut |tree| match tree {
+        proc_macro2::TokenTree::Ident(ident) if ident == name => count += 1,
+        proc_macro2::TokenTree::Literal(literal) => {
+            let text = literal.to_string();
+            count += captured
+                .iter()
+                .map(|c| text.matches(c.as_str()).count())
+                .sum::<usize>();
         }
+        _ => {}
     });
     count
+}
+
+/// Whether `stmt` holds a cross-entropy over the logits bound to `name`.
+fn loss_reads(stmt: &Stmt, name: &Ident) -> bool {
+    struct Finder<'n> {
+        name: &'n Ident,
+        found: bool,
+    }
+    impl<'a> Visit<'a> for Finder<'_> {
+        fn visit_expr_method_call(&mut self, call: &'a ExprMethodCall) {
+            let reads = as_loss(call)
+                .and_then(Result::ok)
+                .is_some_and(|loss| as_ident(loss.logits) == Some(self.name));
+            self.found |= reads;
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut finder = Finder { name, found: false };
+    finder.visit_stmt(stmt);
+    finder.found
 }

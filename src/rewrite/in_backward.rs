@@ -90,6 +90,16 @@ pub(crate) fn apply(block: &mut Block, changes: &mut Vec<Change>) -> Result<(), 
             ),
         ));
     }
+    if let Some((variable, method, line)) = conditional_step(block, &variables) {
+        return Err(Refusal::at(
+            line,
+            format!(
+                "{FLAG}: `{variable}.{method}(…)` runs under a condition, as when gradients are \
+                 added up over several backward passes by hand; the step in backward would step \
+                 at every one of them. Leave {FLAG} out (or let --accumulate do the adding up)"
+            ),
+        ));
+    }
     if let Some((variable, method, line)) = optimizer::unsupported_call(block, &variables) {
         return Err(Refusal::at(
             line,
@@ -153,6 +163,50 @@ fn needs_every_gradient(
     }
     let mut finder = Finder {
         variables,
+        found: None,
+    };
+    finder.visit_block(block);
+    finder.found
+}
+
+/// The first `step`/`backward_step` of an optimizer variable inside an `if` (a step taken every
+/// few backward passes).
+fn conditional_step(block: &Block, variables: &[Ident]) -> Option<(Ident, String, usize)> {
+    struct Finder<'v> {
+        variables: &'v [Ident],
+        in_branch: usize,
+        found: Option<(Ident, String, usize)>,
+    }
+    impl<'a> Visit<'a> for Finder<'_> {
+        fn visit_expr_if(&mut self, e: &'a syn::ExprIf) {
+            self.visit_expr(&e.cond);
+            self.in_branch += 1;
+            self.visit_block(&e.then_branch);
+            if let Some((_, otherwise)) = &e.else_branch {
+                self.visit_expr(otherwise);
+            }
+            self.in_branch -= 1;
+        }
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            let method = call.method.to_string();
+            let steps = matches!(method.as_str(), "step" | "backward_step");
+            if let (true, true, Some(receiver), None) = (
+                steps,
+                self.in_branch > 0,
+                as_ident(&call.receiver),
+                &self.found,
+            ) {
+                if self.variables.contains(receiver) {
+                    let line = line_of(call.method.span());
+                    self.found = Some((receiver.clone(), method, line));
+                }
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut finder = Finder {
+        variables,
+        in_branch: 0,
         found: None,
     };
     finder.visit_block(block);

@@ -1000,7 +1000,27 @@ fn rewrite_new_techniques_refuse_with_their_reasons() {
         "total += loss.double_value(&[]) + logits.argmax(-1, false).double_value(&[0, 0]);",
     );
     let why = refusal(&reused, "--fused-loss");
-    assert!(why.message.contains("read again after the loss"), "{why}");
+    assert!(why.message.contains("read by more than the loss"), "{why}");
+    // Gradients added up by hand over several backward passes, the step taken every fourth.
+    let by_hand = reference("mlp").replace(
+        "opt.backward_step(&loss); // zero_grad, backward, step",
+        "loss.backward();\n        if epoch % 4 == 0 { opt.step(); opt.zero_grad(); }",
+    );
+    let why = refusal(&by_hand, "--step-in-backward");
+    assert!(why.message.contains("runs under a condition"), "{why}");
+    // A head used through a field, with a type annotation, read a statement later: a
+    // reference is bound (nothing moves), the annotation goes.
+    let field = reference("lm_head")
+        .replace(
+            "let hidden = body.forward(&xs.apply(&embed));",
+            "let out = (body.forward(&xs.apply(&embed)), 0);",
+        )
+        .replace(
+            "let logits = hidden.apply(&head);",
+            "let logits: Tensor = head.forward(&out.0);\n        let n = 1;",
+        );
+    let code = rewrite_ok(&field, "--fused-loss").code;
+    assert!(code.contains("let hidden = &(out.0);"), "{code}");
     // Global-norm clipping needs every gradient first.
     let clipped = reference("mlp").replace(
         "opt.backward_step(&loss); // zero_grad, backward, step",

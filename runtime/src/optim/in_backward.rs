@@ -65,8 +65,9 @@ extern "C" fn step_one(data: *mut c_void, index: usize, err: *mut c_char, err_le
 /// Parameters get one hook each; a later `InBackward` over the same parameters takes them over.
 pub struct InBackward {
     optimizer: Arc<Mutex<Optimizer>>,
-    /// The parameters hooked so far, by index.
-    hooked: Vec<Tensor>,
+    /// The parameters seen so far, by index; `None` for one that does not require grad (a
+    /// frozen embedding): it gets no gradient and no hook until it does.
+    hooked: Vec<Option<Tensor>>,
 }
 
 impl std::fmt::Debug for InBackward {
@@ -95,19 +96,27 @@ impl InBackward {
         Arc::as_ptr(&self.optimizer) as *mut c_void
     }
 
-    /// Hooks the parameters added to the store since the last call.
+    /// Hooks the parameters added to the store since the last call, and those that have come
+    /// to require grad (unfrozen).
     fn hook_new_parameters(&mut self) {
-        let params: Vec<Tensor> = crate::state::lock(&self.optimizer)
-            .parameters()
-            .iter()
-            .map(Tensor::shallow_clone)
-            .collect();
-        for (index, param) in params.into_iter().enumerate().skip(self.hooked.len()) {
+        let mut optimizer = crate::state::lock(&self.optimizer);
+        let params = optimizer.parameters();
+        let waiting = self.hooked.iter().any(Option::is_none);
+        if params.len() == self.hooked.len() && !waiting {
+            return;
+        }
+        let params: Vec<Tensor> = params.iter().map(Tensor::shallow_clone).collect();
+        drop(optimizer);
+        self.hooked.resize_with(params.len(), || None);
+        for (index, param) in params.into_iter().enumerate() {
+            if self.hooked[index].is_some() || !param.requires_grad() {
+                continue;
+            }
             ffi::call(|err, len| unsafe {
                 tchmem_step_in_backward_add(param.as_ptr(), self.data(), step_one, index, err, len)
             })
-            .unwrap_or_else(|e| panic!("{e}"));
-            self.hooked.push(param);
+            .unwrap_or_else(|e| panic!("parameter {index} of the optimizer: {e}"));
+            self.hooked[index] = Some(param);
         }
     }
 
@@ -178,7 +187,7 @@ impl Step for InBackward {
 
 impl Drop for InBackward {
     fn drop(&mut self) {
-        for param in &self.hooked {
+        for param in self.hooked.iter().flatten() {
             // Only this optimizer's own hooks: a newer one may have taken a parameter over.
             let _ = ffi::call(|err, len| unsafe {
                 tchmem_step_in_backward_remove(param.as_ptr(), self.data(), err, len)
