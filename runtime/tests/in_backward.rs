@@ -7,6 +7,14 @@ use tchmem::optim::{Adafactor, Adam, AdamW, AdamW8bit, Lion, Optimizer, Sgd};
 
 const CPU: Device = Device::Cpu;
 
+/// libtorch's CPU generator is global and tests run in parallel: the two nets a test compares
+/// must be drawn without another test's draws in between, so the tests take turns.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn rng_turn() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A two-layer net with a tied weight used twice (its gradient is the sum of two paths), and a
 /// parameter group with its own learning rate and no weight decay.
 struct Net {
@@ -81,6 +89,7 @@ fn builders() -> Vec<(&'static str, Builder)> {
 
 #[test]
 fn every_optimizer_steps_in_backward_to_the_same_parameters() {
+    let _turn = rng_turn();
     for (name, build) in builders() {
         let ordinary = Net::new();
         let mut opt = build(&ordinary.vs);
@@ -119,6 +128,7 @@ fn every_optimizer_steps_in_backward_to_the_same_parameters() {
 
 #[test]
 fn a_newer_optimizer_over_the_same_parameters_keeps_its_hooks_when_the_old_one_goes() {
+    let _turn = rng_turn();
     let net = Net::new();
     let old = Sgd::default().build(&net.vs, 0.1).unwrap().in_backward();
     let mut new = Sgd::default().build(&net.vs, 0.1).unwrap().in_backward();
@@ -130,6 +140,7 @@ fn a_newer_optimizer_over_the_same_parameters_keeps_its_hooks_when_the_old_one_g
 
 #[test]
 fn a_dropped_optimizer_stops_stepping_and_gradients_stay() {
+    let _turn = rng_turn();
     let net = Net::new();
     drop(Sgd::default().build(&net.vs, 0.1).unwrap().in_backward());
     let before = net.first.ws.copy();
@@ -140,6 +151,7 @@ fn a_dropped_optimizer_stops_stepping_and_gradients_stay() {
 
 #[test]
 fn tchs_own_optimizer_still_trains_the_store_after_one_in_backward_went() {
+    let _turn = rng_turn();
     let net = Net::new();
     drop(AdamW::default().build(&net.vs, 1e-2).unwrap().in_backward());
     let mut opt = nn::AdamW::default().build(&net.vs, 1e-2).unwrap();
@@ -152,6 +164,7 @@ fn tchs_own_optimizer_still_trains_the_store_after_one_in_backward_went() {
 
 #[test]
 fn a_frozen_parameter_is_left_alone_and_hooked_once_it_trains_again() {
+    let _turn = rng_turn();
     let net = Net::new();
     let _ = net.shared.shallow_clone().set_requires_grad(false);
     let mut opt = Sgd::default().build(&net.vs, 0.1).unwrap().in_backward();
