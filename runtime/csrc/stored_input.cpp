@@ -74,8 +74,7 @@ void StoredInput::store(const at::Tensor& input, Keeping how) {
     return packed;
   };
   if (!device_.is_cuda()) {
-    packed_ = pack();
-    if (packed_.is_same(source)) packed_ = source.clone();
+    packed_ = pack();  // a quantized tensor or a host copy: never the input itself
     return;
   }
   // On the side stream, once what the current stream queued (the input itself) is done.
@@ -92,18 +91,19 @@ void StoredInput::store(const at::Tensor& input, Keeping how) {
 
 void StoredInput::prefetch() {
   if (kept_.defined() || fetched_.defined() || !packed_.defined()) return;
-  auto unpack = [&](const at::IntArrayRef original) {
+  auto unpack = [&] {
     at::Tensor here = packed_.device() == device_ ? packed_ : packed_.to(device_, true);
-    return compression_ == Compression::None ? here : dequantize(here, scale_, dtype_, original);
+    return compression_ == Compression::None ? here
+                                             : dequantize(here, scale_, dtype_, original_sizes_);
   };
   if (!device_.is_cuda()) {
-    fetched_ = unpack(original_sizes_);
+    fetched_ = unpack();
     if (fetched_.is_same(packed_)) fetched_ = packed_.clone();
     return;
   }
   const c10::Stream side = side_stream(device_);
   c10::StreamGuard on_side(side);
-  fetched_ = unpack(original_sizes_);
+  fetched_ = unpack();
   fetched_event_ = std::make_unique<c10::Event>(device_.type());
   fetched_event_->record(side);
 }

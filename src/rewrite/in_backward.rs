@@ -140,33 +140,12 @@ fn needs_every_gradient(
     block: &Block,
     variables: &[Ident],
 ) -> Option<(Ident, String, &'static str, usize)> {
-    struct Finder<'v> {
-        variables: &'v [Ident],
-        found: Option<(Ident, String, &'static str, usize)>,
-    }
-    impl<'a> Visit<'a> for Finder<'_> {
-        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            let method = call.method.to_string();
-            let why = NEEDS_EVERY_GRADIENT
-                .iter()
-                .find(|(name, _)| *name == method)
-                .map(|(_, why)| *why);
-            if let (Some(receiver), Some(why), None) = (as_ident(&call.receiver), why, &self.found)
-            {
-                if self.variables.contains(receiver) {
-                    let line = line_of(call.method.span());
-                    self.found = Some((receiver.clone(), method, why, line));
-                }
-            }
-            visit::visit_expr_method_call(self, call);
-        }
-    }
-    let mut finder = Finder {
-        variables,
-        found: None,
-    };
-    finder.visit_block(block);
-    finder.found
+    optimizer::first_call_on(block, variables, |method| {
+        NEEDS_EVERY_GRADIENT
+            .iter()
+            .find(|(name, _)| *name == method)
+            .map(|(_, why)| *why)
+    })
 }
 
 /// The first `step`/`backward_step` of an optimizer variable inside an `if` (a step taken every

@@ -379,19 +379,33 @@ pub(crate) fn unsupported_call(
     block: &Block,
     variables: &[Ident],
 ) -> Option<(Ident, String, usize)> {
-    struct Finder<'v> {
+    first_call_on(block, variables, |method| {
+        (!SHARED_METHODS.contains(&method)).then_some(())
+    })
+    .map(|(variable, method, (), line)| (variable, method, line))
+}
+
+/// The first call on one of the optimizer `variables` whose method `pick` says something of:
+/// the variable, the method, what `pick` said and the line.
+pub(crate) fn first_call_on<T>(
+    block: &Block,
+    variables: &[Ident],
+    pick: impl Fn(&str) -> Option<T>,
+) -> Option<(Ident, String, T, usize)> {
+    struct Finder<'v, T, P> {
         variables: &'v [Ident],
-        found: Option<(Ident, String, usize)>,
+        pick: P,
+        found: Option<(Ident, String, T, usize)>,
     }
-    impl<'a> Visit<'a> for Finder<'_> {
+    impl<'a, T, P: Fn(&str) -> Option<T>> Visit<'a> for Finder<'_, T, P> {
         fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            if let Some(receiver) = as_ident(&call.receiver) {
+            if let (None, Some(receiver)) = (&self.found, as_ident(&call.receiver)) {
                 let method = call.method.to_string();
-                if self.variables.contains(receiver)
-                    && !SHARED_METHODS.contains(&method.as_str())
-                    && self.found.is_none()
-                {
-                    self.found = Some((receiver.clone(), method, line_of(call.method.span())));
+                if self.variables.contains(receiver) {
+                    if let Some(said) = (self.pick)(&method) {
+                        let line = line_of(call.method.span());
+                        self.found = Some((receiver.clone(), method, said, line));
+                    }
                 }
             }
             visit::visit_expr_method_call(self, call);
@@ -399,6 +413,7 @@ pub(crate) fn unsupported_call(
     }
     let mut finder = Finder {
         variables,
+        pick,
         found: None,
     };
     finder.visit_block(block);

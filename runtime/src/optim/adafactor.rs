@@ -119,8 +119,7 @@ impl Algorithm for AdafactorState {
         let c = self.config;
         grow(&mut self.params, params.len());
         tch::no_grad(|| {
-            let selected = params.iter().zip(&mut self.params).zip(hyper).enumerate();
-            for (_, ((p, state), h)) in selected.filter(|(i, _)| which.includes(*i)) {
+            for ((p, state), h) in which.pick(params.iter().zip(&mut self.params).zip(hyper)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let lr = h.lr;
                 let state = state.get_or_insert_with(|| {

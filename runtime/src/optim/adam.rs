@@ -263,8 +263,7 @@ impl Algorithm for FusedAdam {
         } = self.config;
         // One fused call per learning rate and weight decay (one for all without groups).
         let mut calls: BTreeMap<(u64, u64), FusedCall> = BTreeMap::new();
-        let selected = params.iter().zip(&mut self.state).zip(hyper).enumerate();
-        for (_, ((p, state), h)) in selected.filter(|(i, _)| which.includes(*i)) {
+        for ((p, state), h) in which.pick(params.iter().zip(&mut self.state).zip(hyper)) {
             let Some(moments) = state.as_mut().filter(|_| p.grad().defined()) else {
                 continue;
             };

@@ -242,11 +242,7 @@ impl Algorithm for AdamW8bitState {
         } = self.config;
         grow(&mut self.params, params.len());
         tch::no_grad(|| {
-            for (i, p) in params
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| which.includes(*i))
-            {
+            for (i, p) in which.pick(params.iter().enumerate()) {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (hyper[i].lr, hyper[i].wd_or(wd));
                 let n = p.numel();

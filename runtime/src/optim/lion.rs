@@ -71,8 +71,7 @@ impl Algorithm for LionState {
         let Lion { beta1, beta2, wd } = self.config;
         grow(&mut self.momenta, params.len());
         tch::no_grad(|| {
-            let selected = params.iter().zip(&mut self.momenta).zip(hyper).enumerate();
-            for (_, ((p, momentum), h)) in selected.filter(|(i, _)| which.includes(*i)) {
+            for ((p, momentum), h) in which.pick(params.iter().zip(&mut self.momenta).zip(hyper)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (h.lr, h.wd_or(wd));
                 let m = momentum.get_or_insert_with(|| p.zeros_like());

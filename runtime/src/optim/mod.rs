@@ -88,6 +88,15 @@ impl Which {
             Which::Only(only) => only == index,
         }
     }
+
+    /// The items of a per-parameter iterator (parameters zipped with their state) that are
+    /// taken, by position.
+    pub fn pick<I: Iterator>(self, items: I) -> impl Iterator<Item = I::Item> {
+        items
+            .enumerate()
+            .filter(move |(index, _)| self.includes(*index))
+            .map(|(_, item)| item)
+    }
 }
 
 /// The learning rate and weight decay a parameter is updated with: its group's.

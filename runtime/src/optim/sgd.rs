@@ -87,8 +87,7 @@ impl Algorithm for SgdState {
         } = self.config;
         grow(&mut self.buffers, params.len());
         tch::no_grad(|| {
-            let selected = params.iter().zip(&mut self.buffers).zip(hyper).enumerate();
-            for (_, ((p, buffer), h)) in selected.filter(|(i, _)| which.includes(*i)) {
+            for ((p, buffer), h) in which.pick(params.iter().zip(&mut self.buffers).zip(hyper)) {
                 let Some(g) = grad_f32(p) else { continue };
                 let (lr, wd) = (h.lr, h.wd_or(wd));
                 let mut d = if wd != 0.0 {
