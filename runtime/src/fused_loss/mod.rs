@@ -145,3 +145,7 @@ pub fn linear_cross_entropy(
 ) -> Tensor {
     FusedLoss::default().loss(hidden, weight, bias, targets)
 }
+
+mod split_head;
+
+pub use split_head::{split_head, tied_head, SplitHead, SplitLogits};
