@@ -179,6 +179,8 @@ impl<R: Runner> Cells<R> {
                     || request.options.optimizer.is_some()
                     || request.options.step_in_backward,
                 model: request.options.checkpoint.is_some(),
+                head: request.options.fused_loss.is_some()
+                    && rewrite::loss_takes_model_output(source.body),
             },
         );
         let mut rewritten =

@@ -232,6 +232,7 @@ impl<R: Runner> Cells<R> {
                 batch: false,
                 optimizer: winner.optimizer.is_some(),
                 model: winner.checkpoint.is_some(),
+                head: winner.fused_loss.is_some() && rewrite::loss_takes_model_output(&cell.code),
             },
         );
         let mut rewritten = match rewrite::rewrite(&assembled.code, winner, &assembled.known) {

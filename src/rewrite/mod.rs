@@ -351,7 +351,13 @@ pub(crate) fn rewrite_cell(
     }
     if let Some(chunk) = options.fused_loss {
         if !skip("fused_loss", "--fused-loss", &mut changes) {
-            fused_loss::apply(&mut block, chunk, &mut names, &mut changes)?;
+            fused_loss::apply(
+                &mut block,
+                chunk,
+                &mut names,
+                &known.functions,
+                &mut changes,
+            )?;
         }
     }
     let accumulate = options
@@ -394,6 +400,17 @@ fn isolated<T: Send + 'static>(
         )),
         Err(error) => Err(Refusal::new(error.to_string(), None)),
     }
+}
+
+/// Whether a cross-entropy of `src` takes a model's forward pass (`model.forward_t(&x, true)`)
+/// rather than a head the cell applies: `--fused-loss` then marks the head where the model is
+/// built, so a model of earlier cells is brought in. A cell that does not parse takes none.
+pub fn loss_takes_model_output(src: &str) -> bool {
+    let src = src.to_owned();
+    parse_thread::run("tchmem-facts", STACK_BYTES, move || {
+        cell::parse(&src).is_ok_and(|cell| fused_loss::takes_model_output(&cell.block))
+    })
+    .unwrap_or(false)
 }
 
 /// What the "will it fit?" magics read from a training cell.

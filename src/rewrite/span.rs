@@ -107,6 +107,17 @@ pub(crate) fn runs_model(stmt: &Stmt) -> bool {
         }
         fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
         fn visit_item(&mut self, _: &'a syn::Item) {}
+        fn visit_expr_call(&mut self, call: &'a syn::ExprCall) {
+            // `tchmem::fused_loss::split_head(|| model.forward(&x))` runs the model in its closure.
+            let splits = matches!(&*call.func, syn::Expr::Path(p)
+                if p.path.segments.last().is_some_and(|s| s.ident == "split_head"));
+            for arg in call.args.iter().filter(|_| splits) {
+                if let syn::Expr::Closure(closure) = arg {
+                    self.visit_expr(&closure.body);
+                }
+            }
+            visit::visit_expr_call(self, call);
+        }
     }
     let mut finder = Finder(false);
     finder.visit_stmt(stmt);

@@ -19,13 +19,14 @@ fn reference(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-const LOOPS: [&str; 6] = [
+const LOOPS: [&str; 7] = [
     "mlp",
     "dropout",
     "struct_model",
     "epochs",
     "while_loop",
     "lm_head",
+    "func_model",
 ];
 
 /// What the rewriter knows of earlier cells: these functions.
@@ -63,8 +64,11 @@ fn assert_parses(code: &str, what: &str) {
 }
 
 /// The rewrites checked against `tests/loops/rewritten/<loop>--<flags>.rs`.
-const GOLDEN: [(&str, &str); 29] = [
+const GOLDEN: [(&str, &str); 32] = [
     ("lm_head", "--fused-loss"),
+    ("func_model", "--checkpoint --fused-loss --amp bf16"),
+    ("struct_model", "--fused-loss 32"),
+    ("mlp", "--fused-loss"),
     (
         "lm_head",
         "--checkpoint --offload --fused-loss 64 --step-in-backward",
@@ -990,10 +994,27 @@ fn rewrite_fused_loss_finds_tied_heads_and_struct_heads() {
 
 #[test]
 fn rewrite_new_techniques_refuse_with_their_reasons() {
-    // The model returns logits: the head is not apart.
-    let why = refusal(&reference("mlp"), "--fused-loss");
-    assert!(why.message.contains("not a linear head's output"), "{why}");
-    assert_eq!(why.line, Some(22));
+    // The model's last layer is no head.
+    let softmax = reference("mlp").replace(
+        ".add(nn::linear(&root / \"l3\", 1024, 10, Default::default()));",
+        ".add(nn::linear(&root / \"l3\", 1024, 10, Default::default()))\n    \
+         .add_fn(|xs| xs.log_softmax(-1, Kind::Float));",
+    );
+    let why = refusal(&softmax, "--fused-loss");
+    assert!(
+        why.message
+            .contains("ends in `….add_fn(|xs| xs.log_softmax(-1, Kind::Float))`"),
+        "{why}"
+    );
+    assert!(why.message.contains("not a linear head"), "{why}");
+    assert_eq!(why.line, Some(23));
+    // The loss takes something that is neither a head nor a forward pass.
+    let other = reference("mlp").replace("model.forward(xs)", "model.forward(xs).relu()");
+    let why = refusal(&other, "--fused-loss");
+    assert!(
+        why.message.contains("neither a linear head's output"),
+        "{why}"
+    );
     // The logits are read again (an accuracy): the fused loss never makes them.
     let reused = reference("lm_head").replace(
         "total += loss.double_value(&[]);",
@@ -1053,4 +1074,140 @@ fn rewrite_new_techniques_refuse_with_their_reasons() {
         };
         assert!(message.contains(expected), "{flags}: {message}");
     }
+}
+
+#[test]
+fn rewrite_fused_loss_marks_the_head_inside_a_model_where_it_is_built() {
+    // A seq of the cell: its last layer is wrapped; the loss runs the forward in split_head.
+    let code = rewrite_ok(&reference("mlp"), "--fused-loss").code;
+    assert!(
+        code.replace(char::is_whitespace, "").contains(
+            ".add(tchmem::fused_loss::SplitHead(nn::linear(&root/\"l3\",1024,10,Default::default()),),)"
+        ),
+        "{code}"
+    );
+    assert!(
+        code.contains("let logits = tchmem::fused_loss::split_head(|| model.forward(xs));"),
+        "{code}"
+    );
+    assert!(
+        code.contains("let loss = logits.cross_entropy(ys);"),
+        "{code}"
+    );
+    // A struct's forward: its last field applied.
+    let code = rewrite_ok(&reference("struct_model"), "--fused-loss").code;
+    assert!(
+        code.contains(".apply(&tchmem::fused_loss::SplitHead::of(&self.fc2))"),
+        "{code}"
+    );
+    // A tied head at the end of a func_t closure.
+    let tied = "let vs = nn::VarStore::new(device);\n\
+        let wte = nn::embedding(vs.root() / \"wte\", 100, 8, Default::default());\n\
+        let model = nn::func_t(move |xs, _train| { let h = xs.apply(&wte); h.matmul(&wte.ws.tr()) });\n\
+        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();\n\
+        for (xs, ys) in batches.iter() {\n\
+            let loss = model.forward_t(xs, true).cross_entropy_for_logits(ys);\n\
+            opt.backward_step(&loss);\n\
+        }\n";
+    let rewritten = rewrite_ok(tied, "--fused-loss 16");
+    let code = rewritten.code.replace(char::is_whitespace, "");
+    assert!(
+        code.contains("tchmem::fused_loss::tied_head(&h,&wte.ws)"),
+        "{code}"
+    );
+    assert!(
+        code.contains(
+            "tchmem::fused_loss::FusedLoss::default().chunk(16).loss_of(&tchmem::fused_loss::split_head(||model.forward_t(xs,true)),ys)"
+        ),
+        "{code}"
+    );
+    assert!(
+        rewritten.changes.iter().any(|c| c
+            .what
+            .contains("the tied head `wte.ws`, the last layer of `model`")),
+        "{:?}",
+        rewritten.changes
+    );
+}
+
+#[test]
+fn rewrite_fused_loss_follows_a_model_of_earlier_cells_into_their_functions() {
+    use super::earlier::{assemble, EarlierCell, Wanted};
+    let source = reference("func_model");
+    let (items, rest) = source.split_at(source.find("let device").unwrap());
+    let (model, training) = rest.split_at(rest.find("let data").unwrap());
+    let cell = |run: usize, code: &str| EarlierCell {
+        run,
+        code: code.to_string(),
+    };
+    assert!(loss_takes_model_output(training));
+    assert!(!loss_takes_model_output(&reference("lm_head")));
+    let head = Wanted {
+        batch: false,
+        optimizer: false,
+        model: false,
+        head: true,
+    };
+
+    // The model built by an earlier cell: rebuilt with its functions, the head marked there.
+    let assembled = assemble(training, &[cell(1, items), cell(2, model)], head);
+    // The model, and the optimizer on its new variables.
+    let brought: Vec<&str> = assembled.rebuilt.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(brought, ["model", "opt"]);
+    let rewritten = rewrite_cell(&assembled.code, &options("--fused-loss"), &assembled.known)
+        .unwrap_or_else(|refusal| panic!("{refusal}"));
+    let code = &rewritten.code;
+    assert!(
+        code.contains(".apply(&tchmem::fused_loss::SplitHead::of(&head))"),
+        "{code}"
+    );
+    assert!(
+        code.contains("let logits = tchmem::fused_loss::split_head(|| xs.apply_t(&model, true));"),
+        "{code}"
+    );
+    let changes = assembled.cell_changes(rewritten.changes);
+    assert!(
+        changes.iter().any(|c| c
+            .what
+            .contains("`head`, the last layer of `model` → `gpt(…)`")),
+        "{changes:?}"
+    );
+
+    // The model built in the cell by an earlier cell's function: the function is redefined in
+    // the cell with its head marked.
+    let here = format!("{model}{training}");
+    let assembled = assemble(
+        &here,
+        &[cell(1, items)],
+        Wanted {
+            head: false,
+            ..head
+        },
+    );
+    let rewritten = rewrite_cell(&assembled.code, &options("--fused-loss"), &assembled.known)
+        .unwrap_or_else(|refusal| panic!("{refusal}"));
+    assert!(
+        rewritten.code.contains("fn gpt(p: nn::Path)"),
+        "{}",
+        rewritten.code
+    );
+    assert!(
+        rewritten.changes.iter().any(|c| c
+            .what
+            .contains("`fn gpt` of cell [1] is redefined in this cell")),
+        "{:?}",
+        rewritten.changes
+    );
+
+    // An impl of an earlier cell is not rewritten: the refusal says what to do.
+    let earlier_impl = reference("struct_model");
+    let (defs, body) = earlier_impl.split_at(earlier_impl.find("let device").unwrap());
+    let assembled = assemble(body, &[cell(1, defs)], Wanted::TRIAL);
+    let why = rewrite_cell(&assembled.code, &options("--fused-loss"), &assembled.known)
+        .expect_err("a refusal");
+    assert!(
+        why.message.contains("cannot see `impl Module for Net`"),
+        "{why}"
+    );
+    assert!(why.message.contains("SplitHead"), "{why}");
 }

@@ -88,6 +88,9 @@ pub struct Wanted {
     /// The model, when it is built with `nn::seq()`/`nn::seq_t()` by earlier cells
     /// (`--checkpoint` rewrites those builders): rebuilt from its cells on a store of its own.
     pub model: bool,
+    /// The model, however earlier cells build it (`--fused-loss` marks its head where it is
+    /// built), when `model` rebuilt none.
+    pub head: bool,
 }
 
 impl Wanted {
@@ -96,6 +99,7 @@ impl Wanted {
         batch: true,
         optimizer: true,
         model: false,
+        head: false,
     };
 }
 
@@ -214,9 +218,17 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
     let live = &all.values;
     let direct = free_names(cell);
     let model = if wanted.model {
-        direct.iter().find_map(|name| rebuilt_model(name, &all))
+        direct
+            .iter()
+            .find_map(|name| rebuilt_model(name, &all, true))
     } else {
         None
+    };
+    let model = match model {
+        None if wanted.head => direct
+            .iter()
+            .find_map(|name| rebuilt_model(name, &all, false)),
+        model => model,
     };
     let models = match &model {
         None if wanted.model => direct
@@ -414,6 +426,7 @@ mod tests {
                 batch: false,
                 optimizer: false,
                 model: false,
+                head: false,
             },
         );
         assert_eq!((none.code.as_str(), none.prelude_lines), (LOOP, 0));

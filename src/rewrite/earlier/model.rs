@@ -6,11 +6,11 @@ use super::definitions::{Defined, Live};
 use super::{Brought, EarlierCell, Rebuilt};
 use tchmem_wire::estimate::OptimizerRule;
 
-/// The model `name` rebuilt, when its live definition is a `let` that builds an `nn::seq()` or
-/// `nn::seq_t()` (itself or through functions of earlier cells) from one VarStore of an earlier
-/// cell: a block that builds it again, with those functions, on a new store, and copies the
-/// notebook's weights into it.
-pub(super) fn rebuilt_model(name: &str, live: &Live) -> Option<Rebuilt> {
+/// The model `name` rebuilt, when its live definition is a `let` that builds it (itself or
+/// through functions of earlier cells) from one VarStore of an earlier cell, and, when `seq`,
+/// builds an `nn::seq()` or `nn::seq_t()` on the way: a block that builds it again, with those
+/// functions, on a new store, and copies the notebook's weights into it.
+pub(super) fn rebuilt_model(name: &str, live: &Live, seq: bool) -> Option<Rebuilt> {
     let functions = &live.functions;
     let (run, _, definition) = live.values.get(name)?;
     let Some((pattern, Some(init))) = definition
@@ -44,7 +44,7 @@ pub(super) fn rebuilt_model(name: &str, live: &Live) -> Option<Rebuilt> {
     let [store] = stores.as_slice() else {
         return None;
     };
-    if !builds_seq {
+    if seq && !builds_seq {
         return None;
     }
     // In the order they were defined.
@@ -230,6 +230,7 @@ mod tests {
             batch: false,
             optimizer: false,
             model: true,
+            head: false,
         };
         let assembled = assemble(cell, &earlier, wanted);
         let kinds: Vec<Brought> = assembled.rebuilt.iter().map(|r| r.what).collect();
@@ -289,6 +290,7 @@ mod tests {
             batch: false,
             optimizer: false,
             model: true,
+            head: false,
         };
         let cell = "let y = net.forward_t(&x, true) + lstm.seq(&x).0 + x.apply_t(&resnet, true) \
                     + zeros + x.apply(&lin) + vae.forward(&x) + config.n;";

@@ -15,29 +15,50 @@ use syn::{Block, Expr, ExprMethodCall, Stmt};
 
 use super::cell::line_of;
 use super::change::Change;
-use super::syntax::{as_ident, is_nn_path, single_name, strip_parens, Names};
+use super::earlier::EarlierFn;
+use super::syntax::{as_ident, as_ref_ident, is_nn_path, single_name, strip_parens, Names};
 use super::Refusal;
+
+mod model_head;
 
 const FLAG: &str = "--fused-loss";
 
 /// Ops between the head and the loss that only reshape (the fused loss flattens by itself).
 const RESHAPES: [&str; 4] = ["view", "reshape", "flatten", "contiguous"];
 
-/// The linear layers a cell makes: `let head = nn::linear(…)`, fields `head: nn::linear(…)` or
-/// `head: nn::Linear`.
+/// The linear layers a cell makes: `let head = nn::linear(…)` (or a call to a function that
+/// returns an `nn::Linear`), fields `head: nn::linear(…)` or `head: nn::Linear`.
 #[derive(Default)]
 struct Linears {
     variables: BTreeSet<String>,
     fields: BTreeSet<String>,
+    /// Functions of the cell or of earlier cells that return an `nn::Linear`.
+    makers: BTreeSet<String>,
 }
 
 impl Linears {
-    fn of(block: &Block) -> Linears {
+    fn of(block: &Block, functions: &[EarlierFn]) -> Linears {
+        struct Makers(BTreeSet<String>);
+        impl<'a> Visit<'a> for Makers {
+            fn visit_item_fn(&mut self, item: &'a syn::ItemFn) {
+                if returns_linear(&item.sig) {
+                    self.0.insert(item.sig.ident.to_string());
+                }
+                visit::visit_item_fn(self, item);
+            }
+        }
+        let mut makers = Makers(BTreeSet::new());
+        makers.visit_block(block);
+        for function in functions {
+            if let Ok(item) = syn::parse_str::<syn::ItemFn>(&function.code) {
+                makers.visit_item_fn(&item);
+            }
+        }
         struct Finder(Linears);
         impl<'a> Visit<'a> for Finder {
             fn visit_local(&mut self, local: &'a syn::Local) {
                 if let (Some(name), Some(init)) = (single_name(&local.pat), &local.init) {
-                    if makes_linear(&init.expr) {
+                    if self.0.makes(&init.expr) {
                         self.0.variables.insert(name);
                     }
                 }
@@ -45,7 +66,7 @@ impl Linears {
             }
             fn visit_field_value(&mut self, field: &'a syn::FieldValue) {
                 if let syn::Member::Named(name) = &field.member {
-                    if makes_linear(&field.expr) {
+                    if self.0.makes(&field.expr) {
                         self.0.fields.insert(name.to_string());
                     }
                 }
@@ -53,14 +74,17 @@ impl Linears {
             }
             fn visit_field(&mut self, field: &'a syn::Field) {
                 if let (Some(name), syn::Type::Path(ty)) = (&field.ident, &field.ty) {
-                    if is_nn_path(&ty.path, &["Linear"]) || ty.path.is_ident("Linear") {
+                    if is_linear_type(&ty.path) {
                         self.0.fields.insert(name.to_string());
                     }
                 }
                 visit::visit_field(self, field);
             }
         }
-        let mut finder = Finder(Linears::default());
+        let mut finder = Finder(Linears {
+            makers: makers.0,
+            ..Linears::default()
+        });
         finder.visit_block(block);
         finder.0
     }
@@ -79,25 +103,69 @@ impl Linears {
             other => as_ident(other).is_some_and(|name| self.variables.contains(&name.to_string())),
         }
     }
-}
 
-/// `nn::linear(…)`, perhaps with `?`/`.unwrap()` after it.
-fn makes_linear(expr: &Expr) -> bool {
-    match strip_parens(expr) {
-        Expr::Call(call) => match &*call.func {
-            Expr::Path(path) => is_nn_path(&path.path, &["linear"]),
+    /// Whether `expr` makes a linear layer: `nn::linear(…)` or a call to one of `makers`,
+    /// perhaps with `?` after it.
+    fn makes(&self, expr: &Expr) -> bool {
+        match strip_parens(expr) {
+            Expr::Try(inner) => self.makes(&inner.expr),
+            Expr::Call(call) => match &*call.func {
+                Expr::Path(path) => {
+                    is_nn_path(&path.path, &["linear"])
+                        || path
+                            .path
+                            .get_ident()
+                            .is_some_and(|f| self.makers.contains(&f.to_string()))
+                }
+                _ => false,
+            },
             _ => false,
-        },
-        _ => false,
+        }
     }
 }
 
-/// What the fused loss takes: the hidden states, the weight and the bias of the head.
+/// `nn::Linear` or `Linear`.
+fn is_linear_type(path: &syn::Path) -> bool {
+    is_nn_path(path, &["Linear"]) || path.is_ident("Linear")
+}
+
+/// Whether a function returns an `nn::Linear`.
+fn returns_linear(sig: &syn::Signature) -> bool {
+    matches!(&sig.output, syn::ReturnType::Type(_, ty)
+        if matches!(&**ty, syn::Type::Path(p) if is_linear_type(&p.path)))
+}
+
+/// Where the fused loss finds the head and its input.
+// A few per cell, short-lived: boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
-struct Head {
-    hidden: Expr,
-    weight: Expr,
-    bias: Option<Expr>,
+enum Head {
+    /// A head the cell applies itself: the hidden states, the weight and the bias.
+    Shown {
+        hidden: Expr,
+        weight: Expr,
+        bias: Option<Expr>,
+    },
+    /// A model's output (`model.forward_t(&x, true)`): the head is the model's last layer,
+    /// marked where the model is built ([`model_head`]), and the forward pass runs inside
+    /// `tchmem::fused_loss::split_head`.
+    Inside { forward: Expr, model: Ident },
+    /// A variable holding such a forward pass's `split_head`.
+    Split { logits: Ident, model: Ident },
+}
+
+/// The model whose forward pass `expr` is: `model.forward_t(&x, train)`, `model.forward(&x)`,
+/// `x.apply_t(&model, train)`, `x.apply(&model)`.
+fn model_of(expr: &Expr) -> Option<Ident> {
+    let Expr::MethodCall(call) = strip_parens(expr) else {
+        return None;
+    };
+    let model = match (call.method.to_string().as_str(), call.args.len()) {
+        ("forward", 1) | ("forward_t", 2) => as_ident(&call.receiver),
+        ("apply", 1) | ("apply_t", 2) => as_ref_ident(&call.args[0]),
+        _ => None,
+    };
+    model.cloned()
 }
 
 /// The head whose logits `expr` is, if it is one.
@@ -110,7 +178,7 @@ fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
             Expr::Reference(r) => (*r.expr).clone(),
             other => other.clone(),
         };
-        Head {
+        Head::Shown {
             hidden: hidden.clone(),
             weight: syn::parse_quote!(#layer.ws),
             bias: Some(syn::parse_quote!(#layer.bs.as_ref())),
@@ -142,7 +210,7 @@ fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
                 _ => false,
             };
             let weight = &transposed.receiver;
-            transposes.then(|| Head {
+            transposes.then(|| Head::Shown {
                 hidden: (*call.receiver).clone(),
                 weight: (**weight).clone(),
                 bias: None,
@@ -201,21 +269,40 @@ fn as_loss(call: &ExprMethodCall) -> Option<Result<Loss<'_>, String>> {
 
 /// The fused loss's call.
 fn fused_call(head: &Head, targets: &Expr, chunk: Option<u32>, ignore: Option<&Expr>) -> Expr {
-    let Head {
-        hidden,
-        weight,
-        bias,
-    } = head;
-    let bias: Expr = match bias {
-        Some(bias) => bias.clone(),
-        None => syn::parse_quote!(None),
+    let default = chunk.is_none() && ignore.is_none();
+    let split: Expr = match head {
+        Head::Shown {
+            hidden,
+            weight,
+            bias,
+        } => {
+            let bias: Expr = match bias {
+                Some(bias) => bias.clone(),
+                None => syn::parse_quote!(None),
+            };
+            let (hidden, weight) = (borrowed(hidden), borrowed(weight));
+            if default {
+                return syn::parse_quote!(
+                    tchmem::fused_loss::linear_cross_entropy(#hidden, #weight, #bias, #targets)
+                );
+            }
+            let config = loss_config(chunk, ignore);
+            return syn::parse_quote!(#config.loss(#hidden, #weight, #bias, #targets));
+        }
+        Head::Inside { forward, .. } => {
+            syn::parse_quote!(tchmem::fused_loss::split_head(|| #forward))
+        }
+        Head::Split { logits, .. } => syn::parse_quote!(#logits),
     };
-    let (hidden, weight) = (borrowed(hidden), borrowed(weight));
-    if chunk.is_none() && ignore.is_none() {
-        return syn::parse_quote!(
-            tchmem::fused_loss::linear_cross_entropy(#hidden, #weight, #bias, #targets)
-        );
+    if default {
+        return syn::parse_quote!(#split.cross_entropy(#targets));
     }
+    let config = loss_config(chunk, ignore);
+    syn::parse_quote!(#config.loss_of(&#split, #targets))
+}
+
+/// `tchmem::fused_loss::FusedLoss::default()` with the chunk and ignored class set.
+fn loss_config(chunk: Option<u32>, ignore: Option<&Expr>) -> Expr {
     let mut config: Expr = syn::parse_quote!(tchmem::fused_loss::FusedLoss::default());
     if let Some(chunk) = chunk {
         let chunk = proc_macro2::Literal::i64_unsuffixed(i64::from(chunk));
@@ -224,7 +311,7 @@ fn fused_call(head: &Head, targets: &Expr, chunk: Option<u32>, ignore: Option<&E
     if let Some(ignore) = ignore {
         config = syn::parse_quote!(#config.ignore_index(#ignore));
     }
-    syn::parse_quote!(#config.loss(#hidden, #weight, #bias, #targets))
+    config
 }
 
 /// `&expr`, or `expr` itself when it is a reference already.
@@ -235,14 +322,56 @@ fn borrowed(expr: &Expr) -> Expr {
     }
 }
 
+/// Whether a cross-entropy of `block` takes a model's forward pass (directly or through a
+/// variable) where no head of the block is shown.
+pub(crate) fn takes_model_output(block: &Block) -> bool {
+    struct Finder<'l> {
+        linears: &'l Linears,
+        forwards: BTreeSet<String>,
+        found: bool,
+    }
+    impl<'a> Visit<'a> for Finder<'_> {
+        fn visit_local(&mut self, local: &'a syn::Local) {
+            if let (Some(name), Some(init)) = (single_name(&local.pat), &local.init) {
+                if model_of(&init.expr).is_some() && head_of(&init.expr, self.linears).is_none() {
+                    self.forwards.insert(name);
+                }
+            }
+            visit::visit_local(self, local);
+        }
+        fn visit_expr_method_call(&mut self, call: &'a ExprMethodCall) {
+            if let Some(Ok(loss)) = as_loss(call) {
+                let bound = as_ident(loss.logits)
+                    .is_some_and(|name| self.forwards.contains(&name.to_string()));
+                let forward =
+                    model_of(loss.logits).is_some() && head_of(loss.logits, self.linears).is_none();
+                self.found |= bound || forward;
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let linears = Linears::of(block, &[]);
+    let mut finder = Finder {
+        linears: &linears,
+        forwards: BTreeSet::new(),
+        found: false,
+    };
+    finder.visit_block(block);
+    finder.found
+}
+
 /// Rewrites every cross-entropy over a linear head's logits in the cell.
+///
+/// `functions` are the earlier cells' functions the cell calls: a model they build has its
+/// head marked there ([`model_head`]).
 pub(crate) fn apply(
     block: &mut Block,
     chunk: Option<u32>,
     names: &mut Names,
+    functions: &[EarlierFn],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
-    let linears = Linears::of(block);
+    let linears = Linears::of(block, functions);
     let mut fuser = Fuser {
         linears: &linears,
         chunk,
@@ -251,25 +380,37 @@ pub(crate) fn apply(
         missed: None,
     };
     fuser.visit_block_mut(block);
+    let (done, missed) = (fuser.done, fuser.missed);
+    // The models whose output a rewritten loss takes: their heads are marked where they are built.
+    let mut marked: Vec<&Ident> = Vec::new();
+    for (line, _, model) in &done {
+        let Some(model) = model.as_ref().filter(|m| !marked.contains(m)) else {
+            continue;
+        };
+        model_head::mark(block, model, functions, changes)
+            .map_err(|why| Refusal::at(*line, format!("{FLAG}: {why}")))?;
+        marked.push(model);
+    }
     let how = match chunk {
         Some(n) => format!("{n} tokens per chunk"),
         None => "chunks sized by the vocabulary".to_string(),
     };
-    if fuser.done.is_empty() {
-        return Err(match fuser.missed {
+    if done.is_empty() {
+        return Err(match missed {
             Some((line, why)) => Refusal::at(line, format!("{FLAG}: {why}")),
             None => Refusal::new(
                 format!(
                     "{FLAG} looks for a cross-entropy over a linear head's logits in this cell: \
                      `h.apply(&head).cross_entropy_for_logits(&y)` or `head.forward(&h)…` with \
-                     `head` an nn::linear of the cell, or a tied head `h.matmul(&wte.ws.tr())`; \
-                     found none"
+                     `head` an nn::linear of the cell, a tied head `h.matmul(&wte.ws.tr())`, or \
+                     a model's output (`model.forward_t(&x, true)…`) whose last layer is such a \
+                     head; found none"
                 ),
                 None,
             ),
         });
     }
-    for (line, head) in fuser.done {
+    for (line, head, _) in done {
         changes.push(Change::at(
             line,
             format!(
@@ -286,8 +427,8 @@ struct Fuser<'a> {
     linears: &'a Linears,
     chunk: Option<u32>,
     names: &'a mut Names,
-    /// Line and head of each loss rewritten.
-    done: Vec<(usize, String)>,
+    /// Line, head and model (a head inside a model) of each loss rewritten.
+    done: Vec<(usize, String, Option<Ident>)>,
     /// The first loss found that could not be rewritten, and why.
     missed: Option<(usize, String)>,
 }
@@ -313,26 +454,36 @@ impl Fuser<'_> {
                 return None;
             }
         };
-        let head = match (head_of(loss.logits, self.linears), bound) {
-            (Some(head), _) => head,
-            (None, Some((name, head))) if as_ident(loss.logits) == Some(name) => head.clone(),
+        let model = model_of(loss.logits);
+        let head = match (head_of(loss.logits, self.linears), bound, model) {
+            (Some(head), _, _) => head,
+            (None, Some((name, head)), _) if as_ident(loss.logits) == Some(name) => head.clone(),
+            (None, _, Some(model)) => Head::Inside {
+                forward: loss.logits.clone(),
+                model,
+            },
             _ => {
                 let logits = loss.logits.to_token_stream().to_string();
                 self.miss(
                     line,
                     format!(
-                        "the loss takes `{logits}`, which is not a linear head's output this \
-                         cell shows: the fused loss needs the hidden states and the head apart. \
-                         Have the model return the hidden states and write the loss as \
-                         `h.apply(&head).cross_entropy_for_logits(&y)` (`head` an nn::linear of \
-                         this cell), or `h.matmul(&wte.ws.tr())` for a tied head"
+                        "the loss takes `{logits}`, which is neither a linear head's output this \
+                         cell shows nor a model's forward pass (`model.forward_t(&x, true)`): \
+                         the fused loss needs the hidden states and the head apart. Write the \
+                         loss as `h.apply(&head).cross_entropy_for_logits(&y)` (`head` an \
+                         nn::linear of this cell), `h.matmul(&wte.ws.tr())` for a tied head, or \
+                         over the model's forward pass"
                     ),
                 );
                 return None;
             }
         };
         let what = describe(&head);
-        self.done.push((line, what));
+        let model = match &head {
+            Head::Inside { model, .. } | Head::Split { model, .. } => Some(model.clone()),
+            Head::Shown { .. } => None,
+        };
+        self.done.push((line, what, model));
         Some(fused_call(
             &head,
             loss.targets,
@@ -343,10 +494,17 @@ impl Fuser<'_> {
 }
 
 fn describe(head: &Head) -> String {
-    let weight = head.weight.to_token_stream().to_string().replace(' ', "");
-    match &head.bias {
-        Some(_) => format!("the head `{}`", weight.trim_end_matches(".ws")),
-        None => format!("the tied head `{weight}`"),
+    match head {
+        Head::Shown { weight, bias, .. } => {
+            let weight = weight.to_token_stream().to_string().replace(' ', "");
+            match bias {
+                Some(_) => format!("the head `{}`", weight.trim_end_matches(".ws")),
+                None => format!("the tied head `{weight}`"),
+            }
+        }
+        Head::Inside { model, .. } | Head::Split { model, .. } => {
+            format!("the head inside `{model}`")
+        }
     }
 }
 
@@ -367,10 +525,20 @@ impl VisitMut for Fuser<'_> {
             // `let logits = h.apply(&head);` right above the loss: the loss reads `h` itself and
             // the statement goes. Otherwise the statement binds a reference to the hidden states
             // under a new name (so that nothing between reads another `h`, and nothing moves).
-            let direct = as_ident(&head.hidden)
+            // A model's forward pass keeps its name and runs inside split_head.
+            let hidden = match &head {
+                Head::Shown { hidden, .. } => Some(hidden.clone()),
+                Head::Inside { .. } | Head::Split { .. } => None,
+            };
+            let direct = hidden
+                .as_ref()
+                .and_then(as_ident)
                 .filter(|_| block.stmts.get(i + 1).is_some_and(|s| loss_reads(s, &name)))
                 .cloned();
-            let mut renamed = direct.clone().unwrap_or_else(|| self.names.fresh("hidden"));
+            let mut renamed = match &hidden {
+                Some(_) => direct.clone().unwrap_or_else(|| self.names.fresh("hidden")),
+                None => name.clone(),
+            };
             renamed.set_span(name.span());
             let mut rewriter = BoundLoss {
                 fuser: self,
@@ -405,8 +573,17 @@ impl VisitMut for Fuser<'_> {
                 next = i;
                 continue;
             }
-            let hidden = &head.hidden;
-            if let Stmt::Local(local) = &mut block.stmts[i] {
+            let Stmt::Local(local) = &mut block.stmts[i] else {
+                continue;
+            };
+            let Some(hidden) = hidden else {
+                if let Some(init) = &mut local.init {
+                    let forward = &init.expr;
+                    *init.expr = syn::parse_quote!(tchmem::fused_loss::split_head(|| #forward));
+                }
+                continue;
+            };
+            {
                 local.pat = syn::Pat::Ident(syn::PatIdent {
                     attrs: Vec::new(),
                     by_ref: None,
@@ -455,9 +632,16 @@ impl VisitMut for BoundLoss<'_, '_> {
             return;
         }
         let renamed = self.renamed;
-        let head = Head {
-            hidden: syn::parse_quote!(#renamed),
-            ..self.head.clone()
+        let head = match self.head {
+            Head::Shown { weight, bias, .. } => Head::Shown {
+                hidden: syn::parse_quote!(#renamed),
+                weight: weight.clone(),
+                bias: bias.clone(),
+            },
+            Head::Inside { model, .. } | Head::Split { model, .. } => Head::Split {
+                logits: renamed.clone(),
+                model: model.clone(),
+            },
         };
         if let Some(fused) = self.fuser.fuse(expr, Some((self.name, &head))) {
             *expr = fused;
@@ -479,7 +663,13 @@ fn bound_head(stmt: &Stmt, linears: &Linears) -> Option<(Ident, Head)> {
         },
         _ => return None,
     };
-    let head = head_of(&local.init.as_ref()?.expr, linears)?;
+    let init = &local.init.as_ref()?.expr;
+    let head = head_of(init, linears).or_else(|| {
+        model_of(init).map(|model| Head::Inside {
+            forward: (**init).clone(),
+            model,
+        })
+    })?;
     Some((name, head))
 }
 

@@ -1,0 +1,360 @@
+//! A head inside the model: the loss takes a model's output (`model.forward_t(&x, true)`), so
+//! the head is where the model is built. The model's definition is followed from the `let` that
+//! binds it, through the functions that build it (`gpt(vs.root(), cfg)` → `nn::func_t(move
+//! |xs, train| … .apply(&head))`), to its last layer, which is marked for the fused loss
+//! (`tchmem::fused_loss::SplitHead`, `tied_head`): the model stays what it was everywhere else,
+//! and inside `split_head` hands its hidden states and weights to the loss.
+//!
+//! Followed: a `let` of the cell (or one rebuilt from an earlier cell), functions of the cell
+//! or of earlier cells (an earlier one is redefined in the cell with its head marked), a
+//! function's tail or the `let` its tail names, `nn::func`/`nn::func_t` closures, `nn::seq()`
+//! chains whose last layer is an `nn::linear`, and `impl Module`/`ModuleT` for a struct of the
+//! cell.
+
+use syn::visit_mut::{self, VisitMut};
+use syn::{Block, Expr, Ident, Stmt};
+
+use super::super::earlier::EarlierFn;
+use super::super::syntax::{as_ident, is_nn_path, single_name, strip_parens};
+use super::Linears;
+use crate::rewrite::cell::pretty;
+use crate::rewrite::change::Change;
+
+/// How many definitions are followed before giving up (a model built by a function that calls
+/// itself, say).
+const MAX_DEPTH: usize = 8;
+
+/// Where the model's output is made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Site {
+    /// The value of the `let` binding this name.
+    Let(String),
+    /// The value a function returns.
+    Function(String),
+    /// The forward pass of `impl Module`/`ModuleT` for this type.
+    Impl(String),
+}
+
+/// What the expression at a site turned out to be.
+enum Tail {
+    /// The head, now marked: what it is.
+    Marked(String),
+    /// Made at another site.
+    Elsewhere(Site),
+    /// Nothing that is a linear head: the expression.
+    Other(String),
+}
+
+/// Marks the output head of `model` (a variable whose forward pass the loss takes) in `block`,
+/// bringing in functions of earlier cells it must change. `Err` says why it could not.
+pub(super) fn mark(
+    block: &mut Block,
+    model: &Ident,
+    functions: &[EarlierFn],
+    changes: &mut Vec<Change>,
+) -> Result<(), String> {
+    let mut site = Site::Let(model.to_string());
+    let mut path = vec![format!("`{model}`")];
+    for _ in 0..MAX_DEPTH {
+        let tail = match at_site(block, &site, functions) {
+            Some(tail) => tail,
+            None => match (
+                &site,
+                functions
+                    .iter()
+                    .find(|f| matches!(&site, Site::Function(n) if *n == f.name)),
+            ) {
+                (Site::Function(name), Some(earlier)) => {
+                    bring_in(block, earlier)?;
+                    changes.push(Change::general(format!(
+                        "--fused-loss: `fn {name}` of cell [{}] is redefined in this cell with \
+                         its head marked (the same function elsewhere: the mark only acts \
+                         inside the fused loss)",
+                        earlier.run
+                    )));
+                    at_site(block, &site, functions).unwrap_or_else(|| Tail::Other(String::new()))
+                }
+                _ => return Err(not_found(&site, &path)),
+            },
+        };
+        match tail {
+            Tail::Marked(what) => {
+                changes.push(Change::general(format!(
+                    "--fused-loss: {what}, the last layer of {}, marked with \
+                     tchmem::fused_loss::SplitHead: it is the head as before everywhere, and \
+                     inside `split_head` gives the fused loss its input and weights instead of \
+                     the logits",
+                    path.join(" → ")
+                )));
+                return Ok(());
+            }
+            Tail::Elsewhere(next) => {
+                path.push(match &next {
+                    Site::Let(name) => format!("`{name}`"),
+                    Site::Function(name) => format!("`{name}(…)`"),
+                    Site::Impl(ty) => format!("`{ty}`'s forward"),
+                });
+                site = next;
+            }
+            Tail::Other(text) => {
+                return Err(format!(
+                    "the loss takes the output of {}, which ends in `{text}`, not a linear head \
+                     (an nn::linear applied last, or `x.matmul(&w.tr())`): the fused loss needs \
+                     the head apart from the hidden states",
+                    path.join(" → ")
+                ))
+            }
+        }
+    }
+    Err(format!(
+        "the model's definition goes on past {}; mark its head yourself \
+         (tchmem::fused_loss::SplitHead around the last nn::linear)",
+        path.join(" → ")
+    ))
+}
+
+fn not_found(site: &Site, path: &[String]) -> String {
+    let what = match site {
+        Site::Let(name) => format!("the `let` that builds `{name}`"),
+        Site::Function(name) => format!("`fn {name}`"),
+        Site::Impl(ty) => format!("`impl Module for {ty}` (or ModuleT)"),
+    };
+    format!(
+        "the loss takes the output of {}, and the rewriter cannot see {what} (it reads this \
+         cell, the functions of earlier cells and a model rebuilt from them; an impl of an \
+         earlier cell is not rewritten): mark the head yourself \
+         (tchmem::fused_loss::SplitHead around the model's last nn::linear) or define it here",
+        path.join(" → ")
+    )
+}
+
+/// Brings an earlier cell's function into the cell, in front of its statements.
+fn bring_in(block: &mut Block, earlier: &EarlierFn) -> Result<(), String> {
+    let item: syn::Item = syn::parse_str(&earlier.code).map_err(|e| {
+        format!(
+            "`fn {}` of cell [{}] does not parse: {e}",
+            earlier.name, earlier.run
+        )
+    })?;
+    block.stmts.insert(0, Stmt::Item(item));
+    Ok(())
+}
+
+/// Marks the head at `site` in `block`, if the site is there.
+fn at_site(block: &mut Block, site: &Site, functions: &[EarlierFn]) -> Option<Tail> {
+    let linears = Linears::of(block, functions);
+    let mut finder = SiteFinder {
+        site,
+        linears: &linears,
+        tail: None,
+    };
+    finder.visit_block_mut(block);
+    finder.tail
+}
+
+struct SiteFinder<'a> {
+    site: &'a Site,
+    linears: &'a Linears,
+    tail: Option<Tail>,
+}
+
+impl VisitMut for SiteFinder<'_> {
+    fn visit_block_mut(&mut self, block: &mut Block) {
+        visit_mut::visit_block_mut(self, block);
+        if self.tail.is_some() {
+            return;
+        }
+        // The last `let` of the name wins (a cell may rebind it).
+        if let Site::Let(name) = self.site {
+            if let Some(init) = let_init(block, name) {
+                self.tail = Some(mark_tail(init, self.linears));
+            }
+        }
+    }
+
+    fn visit_item_fn_mut(&mut self, item: &mut syn::ItemFn) {
+        if self.tail.is_none()
+            && matches!(self.site, Site::Function(name) if item.sig.ident == name)
+        {
+            self.tail = Some(mark_block(&mut item.block, self.linears));
+            return;
+        }
+        visit_mut::visit_item_fn_mut(self, item);
+    }
+
+    fn visit_item_impl_mut(&mut self, item: &mut syn::ItemImpl) {
+        let Site::Impl(ty) = self.site else {
+            return visit_mut::visit_item_impl_mut(self, item);
+        };
+        let is_module = item.trait_.as_ref().is_some_and(|(_, path, _)| {
+            path.segments
+                .last()
+                .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT")
+        });
+        let for_type = matches!(&*item.self_ty, syn::Type::Path(p) if p.path.is_ident(ty));
+        if self.tail.is_some() || !is_module || !for_type {
+            return visit_mut::visit_item_impl_mut(self, item);
+        }
+        for member in &mut item.items {
+            if let syn::ImplItem::Fn(method) = member {
+                if method.sig.ident == "forward" || method.sig.ident == "forward_t" {
+                    self.tail = Some(mark_block(&mut method.block, self.linears));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The tail of a block: its last expression, or the `let` of the variable it names.
+fn mark_block(block: &mut Block, linears: &Linears) -> Tail {
+    let Some(Stmt::Expr(tail, None)) = block.stmts.last() else {
+        return Tail::Other("no value at the end of the block".to_string());
+    };
+    if let Some(name) = as_ident(tail).map(ToString::to_string) {
+        if let Some(init) = let_init(block, &name) {
+            return mark_tail(init, linears);
+        }
+    }
+    match block.stmts.last_mut() {
+        Some(Stmt::Expr(tail, None)) => mark_tail(tail, linears),
+        _ => unreachable!("checked above"),
+    }
+}
+
+/// The value of the last `let` of `name` among the block's statements.
+fn let_init<'b>(block: &'b mut Block, name: &str) -> Option<&'b mut Expr> {
+    block.stmts.iter_mut().rev().find_map(|stmt| match stmt {
+        Stmt::Local(local) if single_name(&local.pat).as_deref() == Some(name) => {
+            local.init.as_mut().map(|init| &mut *init.expr)
+        }
+        _ => None,
+    })
+}
+
+/// Marks the head `expr` ends in, or says where its value is made.
+fn mark_tail(expr: &mut Expr, linears: &Linears) -> Tail {
+    if let Some((hidden, weight)) = tied(expr) {
+        let what = format!("the tied head `{}`", expr_text(&weight));
+        let (hidden, weight) = (super::borrowed(&hidden), super::borrowed(&weight));
+        *expr = syn::parse_quote!(tchmem::fused_loss::tied_head(#hidden, #weight));
+        return Tail::Marked(what);
+    }
+    let text = expr_text(expr);
+    let text = || text.clone();
+    match expr {
+        Expr::Paren(inner) => mark_tail(&mut inner.expr, linears),
+        Expr::Block(inner) => mark_block(&mut inner.block, linears),
+        Expr::Try(inner) => mark_tail(&mut inner.expr, linears),
+        Expr::Closure(closure) => mark_tail(&mut closure.body, linears),
+        Expr::Struct(literal) => match literal.path.get_ident() {
+            Some(ty) => Tail::Elsewhere(Site::Impl(ty.to_string())),
+            None => Tail::Other(text()),
+        },
+        Expr::Call(call) => {
+            let Expr::Path(func) = &*call.func else {
+                return Tail::Other(text());
+            };
+            let names: Vec<String> = func
+                .path
+                .segments
+                .iter()
+                .map(|s| s.ident.to_string())
+                .collect();
+            if is_nn_path(&func.path, &["func_t"]) || is_nn_path(&func.path, &["func"]) {
+                let single = call.args.len() == 1;
+                return match call.args.first_mut() {
+                    Some(closure) if single => mark_tail(closure, linears),
+                    _ => Tail::Other(text()),
+                };
+            }
+            match names.as_slice() {
+                [only] if only == "Ok" || only == "Some" => match call.args.first_mut() {
+                    Some(value) => mark_tail(value, linears),
+                    None => Tail::Other(text()),
+                },
+                [function] if function.starts_with(char::is_lowercase) => {
+                    Tail::Elsewhere(Site::Function(function.clone()))
+                }
+                [ty, _] if ty.starts_with(char::is_uppercase) => {
+                    Tail::Elsewhere(Site::Impl(ty.clone()))
+                }
+                _ => Tail::Other(text()),
+            }
+        }
+        Expr::MethodCall(call) => mark_method(call, linears).unwrap_or_else(|| {
+            let method = call.method.to_string();
+            // `make(…).unwrap()`: the call's value.
+            if matches!(method.as_str(), "unwrap" | "expect") {
+                mark_tail(&mut call.receiver, linears)
+            } else {
+                Tail::Other(text())
+            }
+        }),
+        _ => Tail::Other(text()),
+    }
+}
+
+/// A head at the end of a method chain, marked: `.apply(&head)`, `head.forward(&x)`, or
+/// `.add(nn::linear(…))` ending an `nn::seq()`.
+fn mark_method(call: &mut syn::ExprMethodCall, linears: &Linears) -> Option<Tail> {
+    let method = call.method.to_string();
+    let one_arg = call.args.len() == 1;
+    match method.as_str() {
+        "apply" if one_arg && linears.is_linear(&call.args[0]) => {
+            let layer = unreferenced(&call.args[0]);
+            call.args[0] = syn::parse_quote!(&tchmem::fused_loss::SplitHead::of(&#layer));
+            Some(Tail::Marked(format!("`{}`", expr_text(&layer))))
+        }
+        "forward" if one_arg && linears.is_linear(&call.receiver) => {
+            let layer = unreferenced(&call.receiver);
+            *call.receiver = syn::parse_quote!(tchmem::fused_loss::SplitHead::of(&#layer));
+            Some(Tail::Marked(format!("`{}`", expr_text(&layer))))
+        }
+        "add" if one_arg && linears.makes(&call.args[0]) => {
+            let layer = call.args[0].clone();
+            let what = format!("`{}`", expr_text(&layer));
+            call.args[0] = syn::parse_quote!(tchmem::fused_loss::SplitHead(#layer));
+            Some(Tail::Marked(what))
+        }
+        _ => None,
+    }
+}
+
+/// `x.matmul(&w.tr())` → (`x`, `w`).
+fn tied(expr: &Expr) -> Option<(Expr, Expr)> {
+    match super::head_of(expr, &Linears::default())? {
+        super::Head::Shown {
+            hidden,
+            weight,
+            bias: None,
+        } => Some((hidden, weight)),
+        _ => None,
+    }
+}
+
+/// `layer` of `&layer`.
+fn unreferenced(expr: &Expr) -> Expr {
+    match strip_parens(expr) {
+        Expr::Reference(r) => (*r.expr).clone(),
+        other => other.clone(),
+    }
+}
+
+/// An expression's text on one line, a method chain by its last call (`….add_fn(…)`).
+fn expr_text(expr: &Expr) -> String {
+    let (prefix, shown) = match strip_parens(expr) {
+        Expr::MethodCall(call) => {
+            let mut last = call.clone();
+            *last.receiver = syn::parse_quote!(x);
+            ("…", Expr::MethodCall(last))
+        }
+        other => ("", other.clone()),
+    };
+    let text = pretty(&Stmt::Expr(shown, None));
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let text = text
+        .strip_prefix("x.")
+        .map_or(text.clone(), |rest| format!(".{rest}"));
+    format!("{prefix}{text}")
+}
