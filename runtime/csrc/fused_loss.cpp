@@ -15,6 +15,7 @@
 #include "error.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 namespace {
@@ -30,6 +31,48 @@ int64_t default_chunk(int64_t rows, int64_t hidden, int64_t vocab) {
   int64_t chunk = 1;
   while (chunk < per_chunk) chunk *= 2;
   return std::min(chunk, std::max<int64_t>(rows, 1));
+}
+
+// Whether this libtorch computes a low-precision matmul into an f32 result in place
+// (`addmm` with `out_dtype`, CUDA): learnt on the first try.
+std::atomic<bool> mixed_addmm_works{true};
+
+// sum += a @ b, with `sum` in f32 or f64 and `a`, `b` in the matmuls' dtype: in place inside
+// the matmul where libtorch can (no product of the weight's size per chunk, and the products
+// accumulate in f32), else through a temporary product.
+void accumulate_product(at::Tensor& sum, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == sum.scalar_type()) {
+    sum.addmm_(a, b);
+    return;
+  }
+  if (mixed_addmm_works && sum.is_cuda()) {
+    try {
+      at::addmm_out(sum, sum, a, b, sum.scalar_type());
+      return;
+    } catch (const c10::Error&) {
+      mixed_addmm_works = false;  // checked before any work: `sum` is untouched
+    }
+  }
+  sum.add_(at::mm(a, b));
+}
+
+// Whether this libtorch's log-softmax writes over its input (`out` = input): learnt on the
+// first try.
+std::atomic<bool> in_place_log_softmax_works{true};
+
+// x = log_softmax(x) over its rows. Each element's output depends on its own input and the
+// row's max and sum, read before any output is written, so the kernels allow it in place; a
+// libtorch that refuses gets a copy.
+void log_softmax_in_place(at::Tensor& x) {
+  if (in_place_log_softmax_works) {
+    try {
+      at::_log_softmax_out(x, x, 1, false);
+      return;
+    } catch (const c10::Error&) {
+      in_place_log_softmax_works = false;
+    }
+  }
+  x = at::_log_softmax(x, 1, false);
 }
 
 struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntropy> {
@@ -94,16 +137,18 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
       const at::Tensor valid = valid_all.narrow(0, start, len);
       const at::Tensor index = t.narrow(0, start, len).masked_fill(valid.logical_not(), 0).unsqueeze(1);
       at::Tensor logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
-      at::Tensor scores = logits.to(accumulate);  // the logits themselves when already f32
+      // One fused log-softmax pass gives the loss (its picked entries) and, exponentiated in
+      // place, the softmax: fewer passes over the chunk than logsumexp and softmax apart, and
+      // in place, so the chunk's f32 copy is its only f32 buffer.
+      at::Tensor log_probs = logits.to(accumulate);
       logits = at::Tensor();
-      const at::Tensor lse = scores.logsumexp(1, true);
-      const at::Tensor picked = scores.gather(1, index);
-      loss_sum.add_(((lse - picked).squeeze(1) * valid).sum());
+      log_softmax_in_place(log_probs);
+      loss_sum.sub_((log_probs.gather(1, index).squeeze(1) * valid).sum());
       if (!(need_hidden || need_weight || need_bias)) continue;
       // d loss / d logits = (softmax - one_hot) * valid / count. The per-row factor is applied
       // to the small side of each matmul (rows × width), not to the chunk's logits.
-      at::Tensor probs = at::_softmax(scores, 1, false);
-      scores = at::Tensor();
+      at::Tensor probs = log_probs.exp_();
+      log_probs = at::Tensor();
       probs.scatter_add_(1, index, at::full({len, 1}, -1.0, probs.options()));
       const at::Tensor grad_logits = probs.to(compute);
       probs = at::Tensor();
@@ -113,14 +158,7 @@ struct FusedLinearCrossEntropy : torch::autograd::Function<FusedLinearCrossEntro
         rows_out.copy_(at::mm(grad_logits, w).mul_(row_scale));
       }
       const at::Tensor scale_c = row_scale.to(compute);
-      if (need_weight) {
-        const at::Tensor scaled = hc * scale_c;
-        if (compute == grad_w.scalar_type()) {
-          grad_w.addmm_(grad_logits.t(), scaled);  // accumulated inside the matmul
-        } else {
-          grad_w.add_(at::mm(grad_logits.t(), scaled));
-        }
-      }
+      if (need_weight) accumulate_product(grad_w, grad_logits.t(), hc * scale_c);
       if (need_bias) grad_b.add_(at::mm(grad_logits.t(), scale_c).squeeze(1));
     }
     // Kept in the dtypes of what they are gradients of.

@@ -120,17 +120,23 @@ impl Gpt {
     }
 
     pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Tensor {
-        self.loss_with(idx, targets, false)
+        self.loss_with(idx, targets, None)
     }
 
-    /// The loss, with the tied head and the cross-entropy fused (`tchmem::fused_loss`) or not.
-    pub fn loss_with(&self, idx: &Tensor, targets: &Tensor, fused: bool) -> Tensor {
+    /// The loss, with the tied head and the cross-entropy fused (`tchmem::fused_loss`, as
+    /// `fused` says) or not.
+    pub fn loss_with(
+        &self,
+        idx: &Tensor,
+        targets: &Tensor,
+        fused: Option<tchmem::fused_loss::FusedLoss>,
+    ) -> Tensor {
         let (_, t) = idx.size2().unwrap();
         let pos = Tensor::arange(t, (Kind::Int64, idx.device()));
         let x = self.wte.forward(idx) + self.wpe.forward(&pos);
         let x = self.ln_f.forward(&self.blocks.forward(&x));
-        if fused {
-            return tchmem::fused_loss::linear_cross_entropy(&x, &self.wte.ws, None, targets);
+        if let Some(fused) = fused {
+            return fused.loss(&x, &self.wte.ws, None, targets);
         }
         // Tied output head.
         let logits = x.matmul(&self.wte.ws.tr());
@@ -211,7 +217,7 @@ struct Config {
     amp: Option<Kind>,
     micro_batches: i64,
     optimizer: &'static str,
-    fused_loss: bool,
+    fused_loss: Option<tchmem::fused_loss::FusedLoss>,
     in_backward: bool,
     keep: tchmem::checkpoint::Keep,
 }
@@ -222,7 +228,7 @@ fn config(name: &str) -> Config {
         amp: None,
         micro_batches: 1,
         optimizer: "adamw",
-        fused_loss: false,
+        fused_loss: None,
         in_backward: false,
         keep: tchmem::checkpoint::Keep::default(),
     };
@@ -272,11 +278,11 @@ fn config(name: &str) -> Config {
             ..plain
         },
         "fused-loss" => Config {
-            fused_loss: true,
+            fused_loss: Some(Default::default()),
             ..plain
         },
         "fused-loss-bf16" => Config {
-            fused_loss: true,
+            fused_loss: Some(Default::default()),
             amp: Some(Kind::BFloat16),
             optimizer: "adamw-fused",
             ..plain
@@ -307,13 +313,18 @@ fn config(name: &str) -> Config {
             checkpoint: true,
             amp: Some(Kind::BFloat16),
             optimizer: "adafactor",
-            fused_loss: true,
+            fused_loss: Some(Default::default()),
             in_backward: true,
             keep: tchmem::checkpoint::Keep {
                 offload: true,
                 compression: None,
             },
             ..plain
+        },
+        // The same with the fused loss in chunks of 128 tokens: smaller temporaries, more matmuls.
+        "lowest-128" => Config {
+            fused_loss: Some(tchmem::fused_loss::FusedLoss::default().chunk(128)),
+            ..config("lowest")
         },
         other => panic!("unknown configuration {other}"),
     }

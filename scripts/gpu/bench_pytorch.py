@@ -291,6 +291,9 @@ CONFIGS = {
     # fused loss and Adafactor stepped in backward, no accumulation.
     "lowest": dict(checkpoint=True, offload=True, amp=torch.bfloat16, fused_loss=True,
                    optimizer="adafactor-in-backward"),
+    # Ours with the fused loss in chunks of 128 tokens; Liger sizes its own chunks.
+    "lowest-128": dict(checkpoint=True, offload=True, amp=torch.bfloat16, fused_loss=True,
+                       optimizer="adafactor-in-backward"),
 }
 
 
