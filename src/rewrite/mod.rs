@@ -351,13 +351,7 @@ pub(crate) fn rewrite_cell(
     }
     if let Some(chunk) = options.fused_loss {
         if !skip("fused_loss", "--fused-loss", &mut changes) {
-            fused_loss::apply(
-                &mut block,
-                chunk,
-                &mut names,
-                &known.functions,
-                &mut changes,
-            )?;
+            fused_loss::apply(&mut block, chunk, &mut names, known, &mut changes)?;
         }
     }
     let accumulate = options

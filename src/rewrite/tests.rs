@@ -1211,3 +1211,82 @@ fn rewrite_fused_loss_follows_a_model_of_earlier_cells_into_their_functions() {
     );
     assert!(why.message.contains("SplitHead"), "{why}");
 }
+
+#[test]
+fn rewrite_fused_loss_takes_a_head_of_an_earlier_cell_and_rebuilds_no_model_in_parts() {
+    use super::earlier::{assemble, EarlierCell, Wanted};
+    // char-rnn: the head is a `let` of an earlier cell beside the LSTM, on the same store.
+    let earlier = [EarlierCell {
+        run: 1,
+        code: "let vs = nn::VarStore::new(device);\n\
+               let lstm = nn::lstm(vs.root(), labels, 256, Default::default());\n\
+               let linear = nn::linear(vs.root(), 256, labels, Default::default());\n\
+               let mut opt = nn::Adam::default().build(&vs, 1e-3)?;"
+            .into(),
+    }];
+    let cell = "for batch in batches.iter() {\n\
+                \x20   let (lstm_out, _) = lstm.seq(&batch.xs);\n\
+                \x20   let logits = linear.forward(&lstm_out);\n\
+                \x20   let loss = logits.view([-1, labels]).cross_entropy_for_logits(&batch.ys);\n\
+                \x20   opt.backward_step(&loss);\n\
+                }";
+    let wanted = Wanted {
+        batch: false,
+        optimizer: false,
+        model: true,
+        head: loss_takes_model_output(cell),
+    };
+    let assembled = assemble(cell, &earlier, wanted);
+    // No model rebuilt: `linear` is a head the cell applies, and a rebuilt `lstm` would leave
+    // the head on the notebook's store (the optimizer rebuilt on the new one would not train it).
+    assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+    assert_eq!(assembled.known.linears, ["linear"]);
+    let rewritten = rewrite_cell(&assembled.code, &options("--fused-loss"), &assembled.known)
+        .unwrap_or_else(|refusal| panic!("{refusal}"));
+    let code = rewritten.code.replace(char::is_whitespace, "");
+    assert!(
+        code.contains(
+            "tchmem::fused_loss::linear_cross_entropy(&lstm_out,&linear.ws,linear.bs.as_ref(),&batch.ys,)"
+        ),
+        "{code}"
+    );
+}
+
+#[test]
+fn rewrite_fused_loss_follows_a_function_local_builder_and_names_a_library_model() {
+    // vgg: the function's own `net` (a seq built up in a loop) is not the notebook's `net`; the
+    // function's tail chain ends in the head.
+    let vgg = "fn vgg(p: &nn::Path, classes: i64) -> nn::SequentialT {\n\
+               \x20   let mut net = nn::seq_t();\n\
+               \x20   for i in 0..2 { net = net.add(nn::conv2d(p / i, 3, 3, 3, Default::default())); }\n\
+               \x20   net.add_fn(|x| x.flat_view()).add(nn::linear(p / \"fc\", 12, classes, Default::default()))\n\
+               }\n\
+               let vs = nn::VarStore::new(device);\n\
+               let net = vgg(&vs.root(), 10);\n\
+               let mut opt = nn::Adam::default().build(&vs, 1e-3)?;\n\
+               for (x, y) in batches.iter() {\n\
+               \x20   let loss = net.forward_t(x, true).cross_entropy_for_logits(y);\n\
+               \x20   opt.backward_step(&loss);\n\
+               }";
+    let code = rewrite_ok(vgg, "--fused-loss")
+        .code
+        .replace(char::is_whitespace, "");
+    assert!(
+        code.contains(".add(tchmem::fused_loss::SplitHead(nn::linear(p/\"fc\",12,classes,Default::default()),),)"),
+        "{code}"
+    );
+    // tch::vision's resnet18: its head is in the library.
+    let library = "let vs = nn::VarStore::new(device);\n\
+                   let net = resnet::resnet18(&vs.root(), 10);\n\
+                   let mut opt = nn::Adam::default().build(&vs, 1e-3)?;\n\
+                   for (x, y) in batches.iter() {\n\
+                   \x20   let loss = net.forward_t(x, true).cross_entropy_for_logits(y);\n\
+                   \x20   opt.backward_step(&loss);\n\
+                   }";
+    let why = refusal(library, "--fused-loss");
+    assert!(
+        why.message
+            .contains("built by `resnet::resnet18(…)`, a library's model"),
+        "{why}"
+    );
+}

@@ -77,6 +77,30 @@ pub(super) struct Definition {
     pub(super) has_seq: bool,
 }
 
+impl Definition {
+    /// Whether it is a `let` of an `nn::linear(…)` (perhaps with `?` or `.unwrap()`).
+    pub(super) fn makes_linear(&self) -> bool {
+        let Some((_, Some(init))) = &self.local else {
+            return false;
+        };
+        let Ok(mut expr) = syn::parse_str::<syn::Expr>(init) else {
+            return false;
+        };
+        loop {
+            expr = match expr {
+                syn::Expr::Try(inner) => *inner.expr,
+                syn::Expr::Paren(inner) => *inner.expr,
+                syn::Expr::MethodCall(call) if call.method == "unwrap" => *call.receiver,
+                syn::Expr::Call(call) => {
+                    return matches!(&*call.func, syn::Expr::Path(p)
+                        if crate::rewrite::syntax::is_nn_path(&p.path, &["linear"]))
+                }
+                _ => return false,
+            };
+        }
+    }
+}
+
 /// An optimizer's build in an earlier cell.
 pub(super) struct Built {
     /// `vs` of `.build(&vs, ..)`.

@@ -126,6 +126,9 @@ pub struct Known {
     /// The models of earlier cells the cell uses that `--checkpoint` cannot rebuild (when the
     /// model was wanted and none was rebuilt), for its refusal.
     pub models: Vec<ModelOrigin>,
+    /// The variables of earlier cells the cell uses that hold an `nn::linear` (a head
+    /// `--fused-loss` can take apart where the cell applies it).
+    pub linears: Vec<String>,
 }
 
 impl Assembled {
@@ -220,14 +223,27 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
     let model = if wanted.model {
         direct
             .iter()
-            .find_map(|name| rebuilt_model(name, &all, true))
+            .find_map(|name| rebuilt_model(name, &all, true, &direct))
     } else {
         None
     };
     let model = match model {
         None if wanted.head => direct
             .iter()
-            .find_map(|name| rebuilt_model(name, &all, false)),
+            .find_map(|name| rebuilt_model(name, &all, false, &direct)),
+        model => model,
+    };
+    let linears: Vec<String> = direct
+        .iter()
+        .filter(|name| live.get(*name).is_some_and(|(_, _, d)| d.makes_linear()))
+        .cloned()
+        .collect();
+    let model = match model {
+        // A head the cell applies itself needs no rebuilt model.
+        None if wanted.head => direct
+            .iter()
+            .filter(|name| !linears.contains(name))
+            .find_map(|name| rebuilt_model(name, &all, false, &direct)),
         model => model,
     };
     let models = match &model {
@@ -299,7 +315,11 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         code: format!("{prelude}{cell}"),
         rebuilt,
         var_stores,
-        known: Known { functions, models },
+        known: Known {
+            functions,
+            models,
+            linears,
+        },
     }
 }
 

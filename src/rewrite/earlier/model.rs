@@ -10,7 +10,16 @@ use tchmem_wire::estimate::OptimizerRule;
 /// through functions of earlier cells) from one VarStore of an earlier cell, and, when `seq`,
 /// builds an `nn::seq()` or `nn::seq_t()` on the way: a block that builds it again, with those
 /// functions, on a new store, and copies the notebook's weights into it.
-pub(super) fn rebuilt_model(name: &str, live: &Live, seq: bool) -> Option<Rebuilt> {
+///
+/// `used` are the names the cell uses: when another value of them is built on the same store
+/// (a `linear` beside an `lstm`), the model is in parts and the new store would hold only this
+/// one (the optimizer rebuilt on it would train the rest no more): no rebuild.
+pub(super) fn rebuilt_model(
+    name: &str,
+    live: &Live,
+    seq: bool,
+    used: &[String],
+) -> Option<Rebuilt> {
     let functions = &live.functions;
     let (run, _, definition) = live.values.get(name)?;
     let Some((pattern, Some(init))) = definition
@@ -44,6 +53,15 @@ pub(super) fn rebuilt_model(name: &str, live: &Live, seq: bool) -> Option<Rebuil
     let [store] = stores.as_slice() else {
         return None;
     };
+    let in_parts = used.iter().any(|other| {
+        other != name
+            && live.values.get(other).is_some_and(|(_, _, d)| {
+                d.what.is_none() && d.local.is_some() && d.uses.contains(*store)
+            })
+    });
+    if in_parts {
+        return None;
+    }
     if seq && !builds_seq {
         return None;
     }

@@ -15,7 +15,7 @@ use syn::{Block, Expr, ExprMethodCall, Stmt};
 
 use super::cell::line_of;
 use super::change::Change;
-use super::earlier::EarlierFn;
+use super::earlier::Known;
 use super::syntax::{as_ident, as_ref_ident, is_nn_path, single_name, strip_parens, Names};
 use super::Refusal;
 
@@ -37,7 +37,8 @@ struct Linears {
 }
 
 impl Linears {
-    fn of(block: &Block, functions: &[EarlierFn]) -> Linears {
+    fn of(block: &Block, known: &Known) -> Linears {
+        let functions = &known.functions;
         struct Makers(BTreeSet<String>);
         impl<'a> Visit<'a> for Makers {
             fn visit_item_fn(&mut self, item: &'a syn::ItemFn) {
@@ -49,7 +50,7 @@ impl Linears {
         }
         let mut makers = Makers(BTreeSet::new());
         makers.visit_block(block);
-        for function in functions {
+        for function in functions.iter() {
             if let Ok(item) = syn::parse_str::<syn::ItemFn>(&function.code) {
                 makers.visit_item_fn(&item);
             }
@@ -83,6 +84,7 @@ impl Linears {
         }
         let mut finder = Finder(Linears {
             makers: makers.0,
+            variables: known.linears.iter().cloned().collect(),
             ..Linears::default()
         });
         finder.visit_block(block);
@@ -350,7 +352,7 @@ pub(crate) fn takes_model_output(block: &Block) -> bool {
             visit::visit_expr_method_call(self, call);
         }
     }
-    let linears = Linears::of(block, &[]);
+    let linears = Linears::of(block, &Known::default());
     let mut finder = Finder {
         linears: &linears,
         forwards: BTreeSet::new(),
@@ -362,16 +364,16 @@ pub(crate) fn takes_model_output(block: &Block) -> bool {
 
 /// Rewrites every cross-entropy over a linear head's logits in the cell.
 ///
-/// `functions` are the earlier cells' functions the cell calls: a model they build has its
-/// head marked there ([`model_head`]).
+/// `known` is what the earlier cells hold: a head of theirs the cell applies, functions that
+/// build a model (its head is marked there, [`model_head`]).
 pub(crate) fn apply(
     block: &mut Block,
     chunk: Option<u32>,
     names: &mut Names,
-    functions: &[EarlierFn],
+    known: &Known,
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
-    let linears = Linears::of(block, functions);
+    let linears = Linears::of(block, known);
     let mut fuser = Fuser {
         linears: &linears,
         chunk,
@@ -387,7 +389,7 @@ pub(crate) fn apply(
         let Some(model) = model.as_ref().filter(|m| !marked.contains(m)) else {
             continue;
         };
-        model_head::mark(block, model, functions, changes)
+        model_head::mark(block, model, known, changes)
             .map_err(|why| Refusal::at(*line, format!("{FLAG}: {why}")))?;
         marked.push(model);
     }

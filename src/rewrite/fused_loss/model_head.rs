@@ -14,7 +14,7 @@
 use syn::visit_mut::{self, VisitMut};
 use syn::{Block, Expr, Ident, Stmt};
 
-use super::super::earlier::EarlierFn;
+use super::super::earlier::{EarlierFn, Known};
 use super::super::syntax::{as_ident, is_nn_path, single_name, strip_parens};
 use super::Linears;
 use crate::rewrite::cell::pretty;
@@ -43,6 +43,8 @@ enum Tail {
     Elsewhere(Site),
     /// Nothing that is a linear head: the expression.
     Other(String),
+    /// Built by a library's function (`resnet::resnet18(…)`): its path.
+    Library(String),
 }
 
 /// Marks the output head of `model` (a variable whose forward pass the loss takes) in `block`,
@@ -50,13 +52,14 @@ enum Tail {
 pub(super) fn mark(
     block: &mut Block,
     model: &Ident,
-    functions: &[EarlierFn],
+    known: &Known,
     changes: &mut Vec<Change>,
 ) -> Result<(), String> {
+    let functions = &known.functions;
     let mut site = Site::Let(model.to_string());
     let mut path = vec![format!("`{model}`")];
     for _ in 0..MAX_DEPTH {
-        let tail = match at_site(block, &site, functions) {
+        let tail = match at_site(block, &site, known) {
             Some(tail) => tail,
             None => match (
                 &site,
@@ -72,7 +75,7 @@ pub(super) fn mark(
                          inside the fused loss)",
                         earlier.run
                     )));
-                    at_site(block, &site, functions).unwrap_or_else(|| Tail::Other(String::new()))
+                    at_site(block, &site, known).unwrap_or_else(|| Tail::Other(String::new()))
                 }
                 _ => return Err(not_found(&site, &path)),
             },
@@ -95,6 +98,14 @@ pub(super) fn mark(
                     Site::Impl(ty) => format!("`{ty}`'s forward"),
                 });
                 site = next;
+            }
+            Tail::Library(function) => {
+                return Err(format!(
+                    "the loss takes the output of {}, built by `{function}`, a library's model \
+                     whose layers the rewriter cannot mark: build the model in the notebook \
+                     (its last layer an nn::linear) to fuse its loss",
+                    path.join(" → ")
+                ))
             }
             Tail::Other(text) => {
                 return Err(format!(
@@ -141,8 +152,13 @@ fn bring_in(block: &mut Block, earlier: &EarlierFn) -> Result<(), String> {
 }
 
 /// Marks the head at `site` in `block`, if the site is there.
-fn at_site(block: &mut Block, site: &Site, functions: &[EarlierFn]) -> Option<Tail> {
-    let linears = Linears::of(block, functions);
+fn at_site(block: &mut Block, site: &Site, known: &Known) -> Option<Tail> {
+    let linears = Linears::of(block, known);
+    // A model is a `let` of the cell's top level (a rebuilt one too), not one of a function's
+    // own variables.
+    if let Site::Let(name) = site {
+        return let_init(block, name).map(|init| mark_tail(init, &linears));
+    }
     let mut finder = SiteFinder {
         site,
         linears: &linears,
@@ -152,6 +168,8 @@ fn at_site(block: &mut Block, site: &Site, functions: &[EarlierFn]) -> Option<Ta
     finder.tail
 }
 
+/// Finds a function or an impl's forward anywhere in the cell (a rebuilt model's functions are
+/// inside its block).
 struct SiteFinder<'a> {
     site: &'a Site,
     linears: &'a Linears,
@@ -159,19 +177,6 @@ struct SiteFinder<'a> {
 }
 
 impl VisitMut for SiteFinder<'_> {
-    fn visit_block_mut(&mut self, block: &mut Block) {
-        visit_mut::visit_block_mut(self, block);
-        if self.tail.is_some() {
-            return;
-        }
-        // The last `let` of the name wins (a cell may rebind it).
-        if let Site::Let(name) = self.site {
-            if let Some(init) = let_init(block, name) {
-                self.tail = Some(mark_tail(init, self.linears));
-            }
-        }
-    }
-
     fn visit_item_fn_mut(&mut self, item: &mut syn::ItemFn) {
         if self.tail.is_none()
             && matches!(self.site, Site::Function(name) if item.sig.ident == name)
@@ -278,6 +283,10 @@ fn mark_tail(expr: &mut Expr, linears: &Linears) -> Tail {
                 }
                 [ty, _] if ty.starts_with(char::is_uppercase) => {
                     Tail::Elsewhere(Site::Impl(ty.clone()))
+                }
+                // `resnet::resnet18(…)`: a library's model, its layers out of reach.
+                [_, _, ..] if names.iter().all(|n| n.starts_with(char::is_lowercase)) => {
+                    Tail::Library(format!("{}(…)", names.join("::")))
                 }
                 _ => Tail::Other(text()),
             }
