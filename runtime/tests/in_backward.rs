@@ -127,6 +127,39 @@ fn every_optimizer_steps_in_backward_to_the_same_parameters() {
 }
 
 #[test]
+fn clipping_by_value_in_backward_gives_the_same_parameters_as_after_it() {
+    let _turn = rng_turn();
+    let train = |clip: Option<f64>, in_backward: bool| {
+        let net = Net::new();
+        let ordinary = || AdamW::default().build(&net.vs, 1e-2).unwrap();
+        let mut plain = (!in_backward).then(ordinary);
+        let mut hooked = in_backward.then(|| ordinary().in_backward());
+        for step in 0..3 {
+            let loss = net.loss(step);
+            match (&mut plain, &mut hooked, clip) {
+                (Some(opt), _, Some(max)) => opt.backward_step_clip(&loss, max),
+                (Some(opt), _, None) => opt.backward_step(&loss),
+                (_, Some(opt), Some(max)) => opt.backward_step_clip(&loss, max),
+                (_, Some(opt), None) => opt.backward_step(&loss),
+                _ => unreachable!(),
+            }
+        }
+        net.parameters()
+    };
+    let differ = |a: &[(String, Tensor)], b: &[(String, Tensor)]| {
+        a.iter()
+            .zip(b)
+            .map(|((_, x), (_, y))| f64::try_from((x - y).abs().max()).unwrap())
+            .fold(0.0, f64::max)
+    };
+    // Clipped so hard that every gradient is cut (AdamW's update is scale-free, so the
+    // difference shows through the moments' ratio of clipped elements).
+    let clipped = train(Some(1e-4), false);
+    assert_eq!(differ(&clipped, &train(Some(1e-4), true)), 0.0);
+    assert!(differ(&clipped, &train(None, false)) > 0.0);
+}
+
+#[test]
 fn a_newer_optimizer_over_the_same_parameters_keeps_its_hooks_when_the_old_one_goes() {
     let _turn = rng_turn();
     let net = Net::new();

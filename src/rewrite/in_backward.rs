@@ -17,8 +17,10 @@ use super::Refusal;
 
 const FLAG: &str = "--step-in-backward";
 
-/// Optimizer methods that need every gradient before any step, and why.
-const NEEDS_EVERY_GRADIENT: [(&str, &str); 4] = [
+/// Optimizer methods that need every gradient before any step, and why. `backward_step_clip`
+/// (by value, per element) is not one: the step in backward clips each gradient before its
+/// step.
+const NEEDS_EVERY_GRADIENT: [(&str, &str); 3] = [
     (
         "clip_grad_norm",
         "clipping by the global norm needs every gradient before the first step",
@@ -26,10 +28,6 @@ const NEEDS_EVERY_GRADIENT: [(&str, &str); 4] = [
     (
         "backward_step_clip_norm",
         "clipping by the global norm needs every gradient before the first step",
-    ),
-    (
-        "backward_step_clip",
-        "clipping comes after backward, when the steps were already taken in it",
     ),
     (
         "clip_grad_value",

@@ -21,14 +21,23 @@ use super::{Change, Refusal};
 /// The flag name used in (internal) refusals.
 const FLAG: &str = "phase markers";
 
-/// The statements that replace the step statement, with its markers.
-fn marked_step(step: &Step, stmt: &Stmt) -> TokenStream {
+/// The statements that replace the step statement, with its markers. `in_backward`: the
+/// optimizer steps inside backward, where it also clips by value (`backward_step_clip` stays
+/// one call; spelled out, its clipping would come after the steps).
+fn marked_step(step: &Step, stmt: &Stmt, in_backward: bool) -> TokenStream {
     let opt = &step.opt;
     let loss = match &step.loss {
         Loss::Var(loss) => quote!(#loss),
         Loss::Inline(expr) => quote!((#expr)),
     };
     match &step.form {
+        Form::Combined {
+            clip: Some(Clip::Value(_)),
+        } if in_backward => quote! {
+            tchmem::phase::backward();
+            #stmt
+            tchmem::phase::end();
+        },
         Form::Combined { clip } => {
             let clip = match clip {
                 Some(Clip::Value(max)) => quote!(#opt.clip_grad_value(#max);),
@@ -99,7 +108,12 @@ pub(crate) fn mark(
         Form::Split { backward, .. } => Some(backward),
         _ => None,
     };
-    let replacement = stmts(marked_step(&step, &step_block.stmts[step.index]))?;
+    let in_backward = super::syntax::stmts_mention(&block.stmts, "in_backward");
+    let replacement = stmts(marked_step(
+        &step,
+        &step_block.stmts[step.index],
+        in_backward,
+    ))?;
     let target: *const Block = step_block;
     let index = step.index;
     drop(tree);

@@ -64,8 +64,12 @@ fn assert_parses(code: &str, what: &str) {
 }
 
 /// The rewrites checked against `tests/loops/rewritten/<loop>--<flags>.rs`.
-const GOLDEN: [(&str, &str); 32] = [
+const GOLDEN: [(&str, &str); 33] = [
     ("lm_head", "--fused-loss"),
+    (
+        "func_model",
+        "--checkpoint --offload --fused-loss --step-in-backward",
+    ),
     ("func_model", "--checkpoint --fused-loss --amp bf16"),
     ("struct_model", "--fused-loss 32"),
     ("mlp", "--fused-loss"),
@@ -1288,5 +1292,23 @@ fn rewrite_fused_loss_follows_a_function_local_builder_and_names_a_library_model
         why.message
             .contains("built by `resnet::resnet18(…)`, a library's model"),
         "{why}"
+    );
+}
+
+#[test]
+fn rewrite_step_in_backward_keeps_clipping_by_value_as_one_call() {
+    let clipped = reference("mlp").replace(
+        "opt.backward_step(&loss); // zero_grad, backward, step",
+        "opt.backward_step_clip(&loss, 0.5);",
+    );
+    let code = rewrite_ok(&clipped, "--step-in-backward").code;
+    assert!(
+        code.contains("opt.backward_step_clip(&loss, 0.5);"),
+        "{code}"
+    );
+    assert!(!code.contains("clip_grad_value"), "{code}");
+    assert!(
+        code.contains(".map(tchmem::optim::Optimizer::in_backward)"),
+        "{code}"
     );
 }

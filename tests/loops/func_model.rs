@@ -53,7 +53,7 @@ for epoch in 1..=3 {
         let ys = batch.narrow(1, 1, BLOCK);
         let logits = xs.apply_t(&model, true);
         let loss = logits.view([-1, VOCAB]).cross_entropy_for_logits(&ys.reshape([-1]));
-        opt.backward_step(&loss);
+        opt.backward_step_clip(&loss, 0.5);
         total += loss.double_value(&[]);
     }
     println!("epoch {epoch}: mean loss {:.4}", total / 4.0);

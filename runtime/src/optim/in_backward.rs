@@ -32,13 +32,32 @@ extern "C" {
     ) -> c_int;
 }
 
+/// What an [`InBackward`] shares with its hooks.
+struct Stepping {
+    optimizer: Mutex<Optimizer>,
+    /// While set (inside [`InBackward::backward_step_clip`]), each gradient is clamped to
+    /// `[-max, max]` before its step: clipping by value is per element, so it can be done one
+    /// parameter at a time.
+    clip_value: Mutex<Option<f64>>,
+}
+
 /// Called by autograd (on its thread) once parameter `index`'s gradient is complete.
 extern "C" fn step_one(data: *mut c_void, index: usize, err: *mut c_char, err_len: usize) -> c_int {
-    // SAFETY: `data` is the Mutex inside an InBackward's Arc, which removes its hooks before the
-    // Arc can go.
-    let optimizer = unsafe { &*(data as *const Mutex<Optimizer>) };
+    // SAFETY: `data` is the Stepping inside an InBackward's Arc, which removes its hooks before
+    // the Arc can go.
+    let stepping = unsafe { &*(data as *const Stepping) };
     match catch_unwind(AssertUnwindSafe(|| {
-        crate::state::lock(optimizer).update(Which::Only(index))
+        let clip = *crate::state::lock(&stepping.clip_value);
+        let mut optimizer = crate::state::lock(&stepping.optimizer);
+        if let Some(max) = clip {
+            let mut grad = optimizer.parameters()[index].grad();
+            if grad.defined() {
+                tch::no_grad(|| {
+                    let _ = grad.clamp_(-max, max);
+                });
+            }
+        }
+        optimizer.update(Which::Only(index))
     })) {
         Ok(()) => 0,
         Err(panic) => {
@@ -62,9 +81,10 @@ extern "C" fn step_one(data: *mut c_void, index: usize, err: *mut c_char, err_le
 ///
 /// What needs every gradient before any step cannot be done: clipping by the global norm, the
 /// f16 grad scaler's check for inf/nan, accumulation over micro-batches (each backward steps).
+/// Clipping by value can: [`backward_step_clip`](Self::backward_step_clip).
 /// Parameters get one hook each; a later `InBackward` over the same parameters takes them over.
 pub struct InBackward {
-    optimizer: Arc<Mutex<Optimizer>>,
+    stepping: Arc<Stepping>,
     /// The parameters seen so far, by index; `None` for one that does not require grad (a
     /// frozen embedding): it gets no gradient and no hook until it does.
     hooked: Vec<Option<Tensor>>,
@@ -73,7 +93,7 @@ pub struct InBackward {
 impl std::fmt::Debug for InBackward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InBackward")
-            .field("optimizer", &*crate::state::lock(&self.optimizer))
+            .field("optimizer", &*self.optimizer())
             .field("hooked", &self.hooked.len())
             .finish()
     }
@@ -83,7 +103,10 @@ impl Optimizer {
     /// This optimizer, stepping each parameter inside backward (see [`InBackward`]).
     pub fn in_backward(self) -> InBackward {
         let mut in_backward = InBackward {
-            optimizer: Arc::new(Mutex::new(self)),
+            stepping: Arc::new(Stepping {
+                optimizer: Mutex::new(self),
+                clip_value: Mutex::new(None),
+            }),
             hooked: Vec::new(),
         };
         in_backward.hook_new_parameters();
@@ -93,13 +116,17 @@ impl Optimizer {
 
 impl InBackward {
     fn data(&self) -> *mut c_void {
-        Arc::as_ptr(&self.optimizer) as *mut c_void
+        Arc::as_ptr(&self.stepping) as *mut c_void
+    }
+
+    fn optimizer(&self) -> std::sync::MutexGuard<'_, Optimizer> {
+        crate::state::lock(&self.stepping.optimizer)
     }
 
     /// Hooks the parameters added to the store since the last call, and those that have come
     /// to require grad (unfrozen).
     fn hook_new_parameters(&mut self) {
-        let mut optimizer = crate::state::lock(&self.optimizer);
+        let mut optimizer = self.optimizer();
         let params = optimizer.parameters();
         let waiting = self.hooked.iter().any(Option::is_none);
         if params.len() == self.hooked.len() && !waiting {
@@ -127,52 +154,68 @@ impl InBackward {
         loss.backward();
     }
 
+    /// As tch's `backward_step_clip`: each gradient clamped to `[-max, max]` before its step,
+    /// here inside backward, one parameter at a time (clipping by value is per element; by the
+    /// global norm it would need every gradient first, so that one has no counterpart).
+    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) {
+        struct Unset<'a>(&'a Mutex<Option<f64>>);
+        impl Drop for Unset<'_> {
+            fn drop(&mut self) {
+                *crate::state::lock(self.0) = None;
+            }
+        }
+        self.zero_grad();
+        *crate::state::lock(&self.stepping.clip_value) = Some(max);
+        let _unset = Unset(&self.stepping.clip_value);
+        loss.backward();
+    }
+
     /// Updates the parameters that still have a gradient (none after a backward pass: their
     /// steps were taken in it).
     pub fn step(&mut self) {
         self.hook_new_parameters();
-        crate::state::lock(&self.optimizer).step();
+        self.optimizer().step();
     }
 
     /// Drops any gradient left.
     pub fn zero_grad(&mut self) {
         self.hook_new_parameters();
-        crate::state::lock(&self.optimizer).zero_grad();
+        self.optimizer().zero_grad();
     }
 
     /// Sets the learning rate of every group.
     pub fn set_lr(&mut self, lr: f64) {
-        crate::state::lock(&self.optimizer).set_lr(lr);
+        self.optimizer().set_lr(lr);
     }
 
     /// Sets the learning rate of the parameters of `group`.
     pub fn set_lr_group(&mut self, group: usize, lr: f64) {
-        crate::state::lock(&self.optimizer).set_lr_group(group, lr);
+        self.optimizer().set_lr_group(group, lr);
     }
 
     /// Sets the weight decay of every group.
     pub fn set_weight_decay(&mut self, wd: f64) {
-        crate::state::lock(&self.optimizer).set_weight_decay(wd);
+        self.optimizer().set_weight_decay(wd);
     }
 
     /// Sets the weight decay of the parameters of `group`.
     pub fn set_weight_decay_group(&mut self, group: usize, wd: f64) {
-        crate::state::lock(&self.optimizer).set_weight_decay_group(group, wd);
+        self.optimizer().set_weight_decay_group(group, wd);
     }
 
     /// The learning rate.
     pub fn lr(&self) -> f64 {
-        crate::state::lock(&self.optimizer).lr()
+        self.optimizer().lr()
     }
 
     /// Bytes of the optimizer's state.
     pub fn state_bytes(&self) -> u64 {
-        crate::state::lock(&self.optimizer).state_bytes()
+        self.optimizer().state_bytes()
     }
 
     /// The algorithm's name.
     pub fn name(&self) -> &'static str {
-        crate::state::lock(&self.optimizer).name()
+        self.optimizer().name()
     }
 }
 

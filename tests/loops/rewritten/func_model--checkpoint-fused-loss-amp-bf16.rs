@@ -74,6 +74,7 @@ for epoch in 1..=3 {
         tchmem::phase::backward();
         opt.zero_grad();
         loss.backward();
+        opt.clip_grad_value(0.5);
         tchmem::phase::step();
         opt.step();
         tchmem::phase::end();

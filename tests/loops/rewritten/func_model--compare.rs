@@ -56,7 +56,7 @@ let data = Tensor::randint(VOCAB, [64, BLOCK + 1], (Kind::Int64, device));
         let loss = logits
             .view([-1, VOCAB])
             .cross_entropy_for_logits(&ys.reshape([-1]));
-        opt.backward_step(&loss);
+        opt.backward_step_clip(&loss, 0.5);
         total += loss.double_value(&[]);
         if tchmem::compare::record_step(&loss) {
             break 'tchmem_train;
