@@ -64,6 +64,22 @@ def test_estimate_fixed_terms_are_the_models_tensor_bytes(kernel):
     assert reply["status"] == "error", "a trial leaked the cell's variables"
 
 
+def test_estimate_runs_its_trials_with_the_techniques_beyond_pytorch(kernel):
+    _, kc = kernel
+    skip_on_cuda(kc)
+    reply, messages = execute(
+        kc, "%memestimate --batch 64 --checkpoint --offload --step-in-backward\n" + LOOP, timeout=600)
+    assert reply["status"] == "ok", reply
+    (estimate,) = displays(messages, ESTIMATE_MIME)
+    # The trials stepped in backward: the gradients are no fixed term.
+    assert estimate["parameters"] == PARAMETERS
+    assert estimate["gradients"] == 0, estimate
+    assert any("freed in backward" in text for text in displays(messages, "text/plain")), messages
+    # %%optimize's rules: offload needs --checkpoint.
+    reply, _ = execute(kc, "%memestimate --offload\n" + LOOP)
+    assert reply["status"] == "error" and "Add --checkpoint" in reply["evalue"], reply
+
+
 def test_estimate_alone_acts_on_the_last_training_cell_and_predicts_other_optimizers(kernel):
     _, kc = kernel
     skip_on_cuda(kc)

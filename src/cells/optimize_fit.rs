@@ -183,14 +183,28 @@ impl<R: Runner> Cells<R> {
         notes: &mut Vec<String>,
     ) -> Result<Vec<(Base, Calibration)>, Box<CellOutcome>> {
         let mut calibrations = Vec::new();
-        for base in Base::ALL {
+        // Where the loss cannot be fused, no base with the fused loss is tried (one note says
+        // why).
+        let mut unfusable = false;
+        for base in Base::all() {
+            if unfusable && base.fused_loss {
+                continue;
+            }
             match self.calibrate(cell, &base.options(), cell.binding.value, table) {
                 Ok(Ok(calibration)) => calibrations.push((base, calibration)),
                 Ok(Err(why)) => notes.push(format!("{}: {why}", name_of(&base.options()))),
-                Err(TrialError::Refused(refusal)) => notes.push(format!(
-                    "{}: not applicable ({refusal})",
-                    base.options().flags()
-                )),
+                Err(TrialError::Refused(refusal)) => {
+                    let fused_alone = base.fused_loss && !base.checkpoint && !base.bf16;
+                    unfusable |= fused_alone;
+                    notes.push(format!(
+                        "{}: not applicable ({refusal})",
+                        if fused_alone {
+                            "--fused-loss".to_string()
+                        } else {
+                            base.options().flags()
+                        }
+                    ))
+                }
                 Err(TrialError::Stopped(outcome)) => return Err(outcome),
             }
         }

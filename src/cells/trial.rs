@@ -117,17 +117,22 @@ impl<R: Runner> Cells<R> {
     }
 
     /// The cell as trials under `options` run it when that differs from `cell.assembled`:
-    /// checkpointing rewrites the model's builders, so a model built by earlier cells is rebuilt.
+    /// checkpointing rewrites the model's builders, and the fused loss marks a head inside the
+    /// model, so a model built by earlier cells is rebuilt.
     pub(super) fn with_rebuilt_model(
         &self,
         cell: &TrainingCell,
         options: &Options,
     ) -> Option<Assembled> {
-        options.checkpoint?;
+        let head = options.fused_loss.is_some() && rewrite::loss_takes_model_output(&cell.code);
+        if options.checkpoint.is_none() && !head {
+            return None;
+        }
         let assembled = self.assemble(
             &cell.code,
             Wanted {
-                model: true,
+                model: options.checkpoint.is_some(),
+                head,
                 ..Wanted::TRIAL
             },
         );
@@ -257,6 +262,7 @@ impl<R: Runner> Cells<R> {
         Ok(Ok(Calibration {
             points,
             rule: cell.rule,
+            gradients_in_backward: options.step_in_backward,
         }))
     }
 }

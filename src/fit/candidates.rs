@@ -7,41 +7,52 @@ use super::estimate::{Calibration, Prediction, Scenario};
 use crate::rewrite::{Amp, OptimizerChoice, Options};
 
 /// What a candidate changes apart from accumulation and the optimizer: the rewrites that need
-/// their own calibration (they change what the forward pass keeps).
+/// their own calibration (they change what the forward and backward passes keep).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Base {
     /// Activation checkpointing.
     pub checkpoint: bool,
     /// bf16 autocast.
     pub bf16: bool,
+    /// The fused loss (where the loop's loss is a cross-entropy over a linear head).
+    pub fused_loss: bool,
+    /// The leanest: the segments' inputs offloaded and the optimizer stepped in backward (with
+    /// checkpointing, bf16 and the fused loss); no accumulation (its gradients must live).
+    pub lean: bool,
 }
 
 impl Base {
-    /// The four bases `--fit` calibrates.
-    pub const ALL: [Base; 4] = [
-        Base {
-            checkpoint: false,
-            bf16: false,
-        },
-        Base {
+    /// The bases `--fit` calibrates: checkpointing and bf16, each with and without the fused
+    /// loss, then the leanest.
+    pub fn all() -> Vec<Base> {
+        let mut all = Vec::new();
+        for fused_loss in [false, true] {
+            for (checkpoint, bf16) in [(false, false), (true, false), (false, true), (true, true)] {
+                all.push(Base {
+                    checkpoint,
+                    bf16,
+                    fused_loss,
+                    lean: false,
+                });
+            }
+        }
+        all.push(Base {
             checkpoint: true,
-            bf16: false,
-        },
-        Base {
-            checkpoint: false,
             bf16: true,
-        },
-        Base {
-            checkpoint: true,
-            bf16: true,
-        },
-    ];
+            fused_loss: true,
+            lean: true,
+        });
+        all
+    }
 
     /// The rewrites of this base.
     pub fn options(self) -> Options {
         Options {
             checkpoint: self.checkpoint.then_some(None),
             amp: self.bf16.then_some(Amp::Bf16),
+            fused_loss: self.fused_loss.then_some(None),
+            offload: self.lean,
+            step_in_backward: self.lean,
             ..Options::default()
         }
     }
@@ -76,6 +87,10 @@ impl Candidate {
             + o.amp.is_some() as usize
             + o.accumulate.is_some() as usize
             + o.optimizer.is_some() as usize
+            + o.fused_loss.is_some() as usize
+            + o.offload as usize
+            + o.compress.is_some() as usize
+            + o.step_in_backward as usize
     }
 }
 
@@ -97,7 +112,9 @@ pub fn ranked(
         let optimizers = std::iter::once((None, *cell_rule))
             .chain(OPTIMIZERS.iter().map(|(c, r)| (Some(*c), *r)));
         for (choice, rule) in optimizers {
-            for &k in ACCUMULATE.iter().filter(|&&k| k <= batch) {
+            // Stepping in backward frees each gradient at once: nothing to accumulate into.
+            let accumulates = |k: u64| k == 1 || !base.lean;
+            for &k in ACCUMULATE.iter().filter(|&&k| k <= batch && accumulates(k)) {
                 let scenario = Scenario {
                     batch,
                     accumulate: k,
@@ -187,11 +204,13 @@ mod tests {
         Calibration {
             points,
             rule: OptimizerRule::Adam,
+            gradients_in_backward: false,
         }
     }
 
     fn recorded() -> Vec<(Base, Calibration)> {
-        let [plain, checkpoint, bf16, both] = Base::ALL;
+        let all = Base::all();
+        let [plain, checkpoint, bf16, both] = [all[0], all[1], all[2], all[3]];
         vec![
             (plain, calibration(1.0, 1.0)),
             (checkpoint, calibration(0.3, 1.3)),
@@ -230,5 +249,33 @@ mod tests {
         // Accumulation is only tried up to the batch.
         let small = ranked(&recorded(), &OptimizerRule::Adam, 2, 0, budget, 0);
         assert!(small.iter().all(|c| c.options.accumulate.unwrap_or(1) <= 2));
+    }
+
+    #[test]
+    fn the_leanest_base_never_accumulates_and_counts_its_rewrites() {
+        let all = Base::all();
+        assert_eq!(all.len(), 9);
+        assert_eq!(all.iter().filter(|b| b.fused_loss).count(), 5);
+        let lean = *all.last().unwrap();
+        assert_eq!(
+            lean.options().flags(),
+            "--checkpoint --amp bf16 --offload --fused-loss --step-in-backward"
+        );
+        let ranked = ranked(
+            &[(lean, calibration(0.1, 0.9))],
+            &OptimizerRule::Adam,
+            64,
+            0,
+            1 << 40,
+            0,
+        );
+        // The cell's optimizer and the three leaner ones, each without accumulation.
+        assert_eq!(ranked.len(), 4);
+        assert!(ranked.iter().all(|c| c.options.accumulate.is_none()));
+        let own = ranked
+            .iter()
+            .find(|c| c.options.optimizer.is_none())
+            .unwrap();
+        assert_eq!(own.changes(), 5);
     }
 }

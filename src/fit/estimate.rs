@@ -79,6 +79,9 @@ pub struct Calibration {
     pub points: Vec<(u64, Measured)>,
     /// The optimizer the trials ran with (the cell's).
     pub rule: OptimizerRule,
+    /// The trials stepped each parameter in backward (`--step-in-backward`): the gradients
+    /// never all live, so they are no fixed term; the few alive at once are in the line.
+    pub gradients_in_backward: bool,
 }
 
 /// The batch sizes to calibrate on for a target batch: a quarter and a half of it, at least 1
@@ -183,7 +186,15 @@ impl Calibration {
     /// The fixed terms of this calibration's model under `rule`, if its trials saw the model.
     pub fn fixed(&self, rule: &OptimizerRule) -> Option<Fixed> {
         let shapes = &self.points.last()?.1.parameters;
-        (!shapes.is_empty()).then(|| Fixed::of(shapes, rule))
+        let fixed = (!shapes.is_empty()).then(|| Fixed::of(shapes, rule))?;
+        Some(Fixed {
+            gradients: if self.gradients_in_backward {
+                0
+            } else {
+                fixed.gradients
+            },
+            ..fixed
+        })
     }
 
     /// The prediction for `scenario`; `None` without a usable point.
@@ -234,7 +245,12 @@ impl Calibration {
                 CategoryName::Gradients,
                 target.gradients,
                 true,
-                "one gradient per parameter",
+                if self.gradients_in_backward {
+                    "freed in backward as each parameter steps (--step-in-backward): those alive \
+                     at once are in the line"
+                } else {
+                    "one gradient per parameter"
+                },
             ),
             category(
                 CategoryName::OptimizerState,
@@ -429,6 +445,7 @@ pub(crate) mod tests {
                 .map(|&b| (b, simulated(b, 5 * MIB, &OptimizerRule::Adam)))
                 .collect(),
             rule: OptimizerRule::Adam,
+            gradients_in_backward: false,
         }
     }
 
@@ -474,6 +491,30 @@ pub(crate) mod tests {
         );
         assert!((low..=high).contains(&measured_reserved), "{low} {high}");
         assert!(prediction.peak_reserved < measured_reserved * 9 / 10);
+    }
+
+    #[test]
+    fn gradients_stepped_in_backward_are_no_fixed_term() {
+        let kept = calibrated(&calibration_batches(64));
+        let stepped = Calibration {
+            gradients_in_backward: true,
+            ..kept.clone()
+        };
+        let scenario = scenario(64, 1, OptimizerRule::Adam);
+        let gradients = |c: &Calibration| {
+            let prediction = c.predict(&scenario).unwrap();
+            prediction
+                .categories
+                .iter()
+                .find(|term| term.name == CategoryName::Gradients)
+                .map(|term| (term.bytes, term.how.clone()))
+                .unwrap()
+        };
+        let (bytes, _) = gradients(&kept);
+        assert_eq!(bytes, kept.fixed(&OptimizerRule::Adam).unwrap().parameters);
+        let (bytes, detail) = gradients(&stepped);
+        assert_eq!(bytes, 0);
+        assert!(detail.contains("freed in backward"), "{detail}");
     }
 
     #[test]

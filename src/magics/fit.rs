@@ -3,7 +3,7 @@
 
 use clap::Parser;
 
-use super::optimize::{AmpArg, OptimizerArg};
+use super::optimize::{AmpArg, BeyondArgs, OptimizerArg};
 use super::MagicReply;
 use crate::fit::parse_percent;
 use crate::rewrite::{OptimizerChoice, Options};
@@ -28,7 +28,8 @@ use crate::rewrite::{OptimizerChoice, Options};
     no_binary_name = true,
     disable_version_flag = true,
     after_help = "Examples:\n  %memestimate\n  %memestimate --batch 64\n  %memestimate --batch 64 \
-                  --amp bf16 --checkpoint --accumulate 4 --check"
+                  --amp bf16 --checkpoint --accumulate 4 --check\n  %memestimate --checkpoint \
+                  --offload --fused-loss --step-in-backward"
 )]
 pub struct EstimateArgs {
     /// The batch size to predict (default: the cell's own).
@@ -46,6 +47,10 @@ pub struct EstimateArgs {
     /// With K micro-batches per step (as `%%optimize --accumulate K`).
     #[arg(long, value_name = "K")]
     pub accumulate: Option<u32>,
+    /// The techniques beyond PyTorch's recipe (as `%%optimize`'s): the calibration trials run
+    /// with them.
+    #[command(flatten)]
+    pub beyond: BeyondArgs,
     /// Then run the cell at that batch (a short trial) and show the prediction's error.
     #[arg(long)]
     pub check: bool,
@@ -113,13 +118,21 @@ pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
              must be at least 2"
         )));
     }
+    parsed
+        .beyond
+        .validate(
+            parsed.checkpoint,
+            parsed.accumulate.is_some(),
+            parsed.amp == Some(AmpArg::F16),
+        )
+        .map_err(|message| MagicReply::Error(format!("error: {message}")))?;
     Ok(EstimateRequest {
         batch: parsed.batch,
-        calibrated: Options {
+        calibrated: parsed.beyond.apply(Options {
             checkpoint: parsed.checkpoint.then_some(None),
             amp: parsed.amp.map(AmpArg::amp),
             ..Options::default()
-        },
+        }),
         accumulate: parsed.accumulate,
         optimizer: parsed.optimizer.map(OptimizerArg::choice),
         check: parsed.check,
@@ -198,6 +211,30 @@ mod tests {
         assert!(
             matches!(parse_estimate(&words("--help")), Err(MagicReply::Help(h)) if h.contains("--batch"))
         );
+    }
+
+    #[test]
+    fn estimate_takes_the_techniques_beyond_pytorch_as_calibrated_rewrites() {
+        let request = parse_estimate(&words(
+            "--checkpoint --offload --fused-loss 64 --step-in-backward --amp bf16",
+        ))
+        .unwrap();
+        assert_eq!(
+            request.calibrated.flags(),
+            "--checkpoint --amp bf16 --offload --fused-loss 64 --step-in-backward"
+        );
+        // The same checks as %%optimize's.
+        for (line, expected) in [
+            ("--offload", "Add --checkpoint"),
+            ("--step-in-backward --accumulate 4", "must live across"),
+            ("--step-in-backward --amp f16", "Use --amp bf16"),
+            ("--fused-loss 0", "at least"),
+        ] {
+            let Err(MagicReply::Error(message)) = parse_estimate(&words(line)) else {
+                panic!("{line}: expected an error")
+            };
+            assert!(message.contains(expected), "{line}: {message}");
+        }
     }
 
     #[test]

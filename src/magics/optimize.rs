@@ -1,6 +1,6 @@
 //! `%%optimize`: the cell magic that rewrites the training loop below it to use less memory.
 
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 
 use super::MagicReply;
 use crate::rewrite::{Amp, Compress, OptimizerChoice, Options};
@@ -94,6 +94,86 @@ fn parse_fit_target(text: &str) -> Result<FitTarget, String> {
 /// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
 /// and run it.
 ///
+/// The flags of the techniques beyond PyTorch's built-in recipe, shared by `%%optimize` and
+/// `%memestimate`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct BeyondArgs {
+    /// Compute a linear head and its cross-entropy together, chunk by chunk over the tokens: no
+    /// logits tensor (tokens × vocabulary) in forward or backward. CHUNK: tokens per chunk
+    /// (default: sized by the vocabulary).
+    #[arg(long, value_name = "CHUNK", num_args = 0..=1)]
+    pub fused_loss: Option<Option<u32>>,
+    /// With --checkpoint: keep each segment's input (all checkpointing keeps) in pinned host
+    /// memory until backward, brought back one segment ahead.
+    #[arg(long)]
+    pub offload: bool,
+    /// With --checkpoint: keep each segment's input quantized to 8 bits until backward.
+    #[arg(long, value_name = "FORMAT")]
+    pub compress_activations: Option<CompressArg>,
+    /// Update each parameter inside backward as soon as its gradient is complete, and free the
+    /// gradient: the model's gradients never all live at once.
+    #[arg(long)]
+    pub step_in_backward: bool,
+}
+
+impl BeyondArgs {
+    /// Checks what clap cannot: the flags among themselves and with `checkpoint`, `accumulate`
+    /// and f16 (the rest of the magic's flags).
+    pub fn validate(&self, checkpoint: bool, accumulate: bool, f16: bool) -> Result<(), String> {
+        if let Some(Some(0)) = self.fused_loss {
+            return Err(
+                "--fused-loss 0: CHUNK is how many tokens each chunk holds; give at least \
+                        1, or leave it out for chunks sized by the vocabulary"
+                    .to_string(),
+            );
+        }
+        if !checkpoint {
+            let needs = match (self.offload, self.compress_activations) {
+                (true, _) => Some("--offload"),
+                (false, Some(_)) => Some("--compress-activations"),
+                _ => None,
+            };
+            if let Some(flag) = needs {
+                return Err(format!(
+                    "{flag} works on what --checkpoint keeps (each segment's input, the only \
+                     activation left): without --checkpoint every layer's activations are kept, \
+                     and moving or rounding them all would cost more than it saves. Add \
+                     --checkpoint"
+                ));
+            }
+        }
+        if self.step_in_backward && accumulate {
+            return Err(
+                "--step-in-backward with --accumulate: accumulation adds the \
+                        micro-batches' gradients before one step, so they must live across \
+                        backward passes, and the step in backward frees each at once. Use \
+                        one or the other"
+                    .to_string(),
+            );
+        }
+        if self.step_in_backward && f16 {
+            return Err(
+                "--step-in-backward with --amp f16: the f16 grad scaler must see \
+                        every gradient (for inf/nan) before any step, and the step in \
+                        backward takes each at once. Use --amp bf16 (no scaler needed)"
+                    .to_string(),
+            );
+        }
+        Ok(())
+    }
+
+    /// `options` with these techniques.
+    pub fn apply(&self, options: Options) -> Options {
+        Options {
+            fused_loss: self.fused_loss,
+            offload: self.offload,
+            compress: self.compress_activations.map(CompressArg::compress),
+            step_in_backward: self.step_in_backward,
+            ..options
+        }
+    }
+}
+
 /// The cell below the magic line must hold the training loop: the model (nn::seq, or a struct
 /// implementing Module), the optimizer (`nn::Adam::default().build(&vs, lr)` …) and a loop with
 /// the forward pass, the loss and `opt.backward_step(&loss)` (or `loss.backward(); opt.step()`
@@ -129,22 +209,9 @@ pub struct OptimizeArgs {
     /// Swap the optimizer for one with less state.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<OptimizerArg>,
-    /// Compute a linear head and its cross-entropy together, chunk by chunk over the tokens: no
-    /// logits tensor (tokens × vocabulary) in forward or backward. CHUNK: tokens per chunk
-    /// (default: sized by the vocabulary).
-    #[arg(long, value_name = "CHUNK", num_args = 0..=1)]
-    pub fused_loss: Option<Option<u32>>,
-    /// With --checkpoint: keep each segment's input (all checkpointing keeps) in pinned host
-    /// memory until backward, brought back one segment ahead.
-    #[arg(long)]
-    pub offload: bool,
-    /// With --checkpoint: keep each segment's input quantized to 8 bits until backward.
-    #[arg(long, value_name = "FORMAT")]
-    pub compress_activations: Option<CompressArg>,
-    /// Update each parameter inside backward as soon as its gradient is complete, and free the
-    /// gradient: the model's gradients never all live at once.
-    #[arg(long)]
-    pub step_in_backward: bool,
+    /// The techniques beyond PyTorch's built-in recipe.
+    #[command(flatten)]
+    pub beyond: BeyondArgs,
     /// Show the rewritten code without running it.
     #[arg(long, conflicts_with = "compare")]
     pub show: bool,
@@ -198,47 +265,11 @@ impl OptimizeArgs {
                 ));
             }
         }
-        if let Some(Some(0)) = self.fused_loss {
-            return Err(
-                "--fused-loss 0: CHUNK is how many tokens each chunk holds; give at least \
-                        1, or leave it out for chunks sized by the vocabulary"
-                    .to_string(),
-            );
-        }
-        if self.checkpoint.is_none() {
-            let needs = match (self.offload, self.compress_activations) {
-                (true, _) => Some("--offload"),
-                (false, Some(_)) => Some("--compress-activations"),
-                _ => None,
-            };
-            if let Some(flag) = needs {
-                return Err(format!(
-                    "{flag} works on what --checkpoint keeps (each segment's input, the only \
-                     activation left): without --checkpoint every layer's activations are kept, \
-                     and moving or rounding them all would cost more than it saves. Add \
-                     --checkpoint"
-                ));
-            }
-        }
-        if self.step_in_backward {
-            if self.accumulate.is_some() {
-                return Err(
-                    "--step-in-backward with --accumulate: accumulation adds the \
-                            micro-batches' gradients before one step, so they must live across \
-                            backward passes, and the step in backward frees each at once. Use \
-                            one or the other"
-                        .to_string(),
-                );
-            }
-            if self.amp == Some(AmpArg::F16) {
-                return Err(
-                    "--step-in-backward with --amp f16: the f16 grad scaler must see \
-                            every gradient (for inf/nan) before any step, and the step in \
-                            backward takes each at once. Use --amp bf16 (no scaler needed)"
-                        .to_string(),
-                );
-            }
-        }
+        self.beyond.validate(
+            self.checkpoint.is_some(),
+            self.accumulate.is_some(),
+            self.amp == Some(AmpArg::F16),
+        )?;
         if self.compare == Some(0) {
             return Err(
                 "--compare 0: STEPS is how many optimizer steps each version runs; it \
@@ -246,16 +277,13 @@ impl OptimizeArgs {
                     .to_string(),
             );
         }
-        let options = Options {
+        let options = self.beyond.apply(Options {
             checkpoint: self.checkpoint,
             amp: self.amp.map(AmpArg::amp),
             accumulate: self.accumulate,
             optimizer: self.optimizer.map(OptimizerArg::choice),
-            fused_loss: self.fused_loss,
-            offload: self.offload,
-            compress: self.compress_activations.map(CompressArg::compress),
-            step_in_backward: self.step_in_backward,
-        };
+            ..Options::default()
+        });
         if options.is_empty() && self.fit.is_none() {
             return Err(
                 "%%optimize needs at least one rewrite: --checkpoint, --amp bf16|f16, \

@@ -576,12 +576,17 @@ pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) 
 
 /// On CPU: the fixed terms only, exact.
 pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
+    // No gradient term beside parameters: the optimizer steps in backward.
+    let gradients = match (fixed.gradients, fixed.parameters) {
+        (0, p) if p > 0 => "0 B (freed in backward, --step-in-backward)".to_string(),
+        (g, _) => human_bytes(g),
+    };
     let text = format!(
         "Estimate, {what}: on CPU only the fixed terms are known (activations are calibrated on \
          the CUDA allocator's counters):\n  parameters       {}\n  gradients        {}\n  \
          optimizer state  {}\n  total            {}",
         human_bytes(fixed.parameters),
-        human_bytes(fixed.gradients),
+        gradients,
         human_bytes(fixed.optimizer_state),
         human_bytes(fixed.total())
     );
@@ -695,6 +700,7 @@ mod tests {
                 (16, measured.clone()),
             ],
             rule: OptimizerRule::Adam,
+            gradients_in_backward: false,
         };
         let prediction = calibration
             .predict(&Scenario {
