@@ -88,6 +88,16 @@ pub(crate) fn apply(block: &mut Block, changes: &mut Vec<Change>) -> Result<(), 
             ),
         ));
     }
+    if let Some((read, line)) = gradient_read(block) {
+        return Err(Refusal::at(
+            line,
+            format!(
+                "{FLAG}: `{read}.grad()` reads a gradient, which the step in backward frees as \
+                 soon as its parameter has stepped (it would read an undefined tensor). Remove \
+                 the read, or leave {FLAG} out"
+            ),
+        ));
+    }
     if let Some((variable, method, line)) = conditional_step(block, &variables) {
         return Err(Refusal::at(
             line,
@@ -144,6 +154,25 @@ fn needs_every_gradient(
             .find(|(name, _)| *name == method)
             .map(|(_, why)| *why)
     })
+}
+
+/// The first `x.grad()` in the cell (a gradient read for logging, a norm by hand), and its line.
+fn gradient_read(block: &Block) -> Option<(String, usize)> {
+    struct Finder(Option<(String, usize)>);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            if self.0.is_none() && call.method == "grad" && call.args.is_empty() {
+                let receiver = quote::ToTokens::to_token_stream(&*call.receiver)
+                    .to_string()
+                    .replace(' ', "");
+                self.0 = Some((receiver, line_of(call.method.span())));
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut finder = Finder(None);
+    finder.visit_block(block);
+    finder.0
 }
 
 /// The first `step`/`backward_step` of an optimizer variable inside an `if` (a step taken every

@@ -1046,6 +1046,17 @@ fn rewrite_new_techniques_refuse_with_their_reasons() {
         );
     let code = rewrite_ok(&field, "--fused-loss").code;
     assert!(code.contains("let hidden = &(out.0);"), "{code}");
+    // A gradient read after backward (a norm logged by hand): freed by then.
+    let read = reference("mlp").replace(
+        "total += loss.double_value(&[]);",
+        "total += loss.double_value(&[]);\n        let g = vs.trainable_variables()[0].grad().norm();",
+    );
+    let why = refusal(&read, "--step-in-backward");
+    assert!(
+        why.message
+            .contains("`vs.trainable_variables()[0].grad()` reads a gradient"),
+        "{why}"
+    );
     // Global-norm clipping needs every gradient first.
     let clipped = reference("mlp").replace(
         "opt.backward_step(&loss); // zero_grad, backward, step",
