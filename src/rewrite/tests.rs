@@ -68,7 +68,7 @@ const GOLDEN: [(&str, &str); 33] = [
     ("lm_head", "--fused-loss"),
     (
         "func_model",
-        "--checkpoint --offload --fused-loss --step-in-backward",
+        "--checkpoint --offload --amp bf16 --fused-loss 128 --optimizer adafactor --step-in-backward",
     ),
     ("func_model", "--checkpoint --fused-loss --amp bf16"),
     ("struct_model", "--fused-loss 32"),

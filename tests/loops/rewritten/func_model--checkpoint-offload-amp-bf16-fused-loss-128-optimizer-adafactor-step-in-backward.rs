@@ -2,11 +2,13 @@
 // change: line 18: --offload: `.offload()`: each segment's input (all checkpointing keeps) goes to pinned host memory on a side stream once the segment has run, and comes back one segment ahead of its rerun in backward
 // change: line 31: --checkpoint: nn::seq_t() → tchmem::checkpoint::seq_t() (√layers segments): activations inside each segment are recomputed in the backward pass instead of being kept
 // change: line 31: --offload: `.offload()`: each segment's input (all checkpointing keeps) goes to pinned host memory on a side stream once the segment has run, and comes back one segment ahead of its rerun in backward
-// change: line 47: --step-in-backward: nn::AdamW → tchmem::optim::AdamW::from(…) (the same settings), stepped in backward (`.in_backward()`): each parameter is updated as soon as its gradient is complete and the gradient freed, so the model's gradients never all live at once; `step()`/`zero_grad()` find nothing left
-// change: line 55: --fused-loss: the head inside `model` and the cross-entropy → tchmem::fused_loss (chunks sized by the vocabulary): the loss and its gradients computed chunk by chunk in the forward pass, no logits tensor in forward or backward
+// change: line 47: --optimizer adafactor: nn::AdamW → tchmem::optim::Adafactor (factored second moments: rows + columns per matrix instead of rows × columns); same learning rate
+// change: line 47: --step-in-backward: stepped in backward (`.in_backward()`): each parameter is updated as soon as its gradient is complete and the gradient freed, so the model's gradients never all live at once; `step()`/`zero_grad()` find nothing left
+// change: lines 54–55: --amp bf16: the forward pass and loss run under tchmem::amp::autocast(BFloat16): matmuls and convolutions compute in bf16, so their activations take half the memory; parameters, gradients and optimizer state stay f32
+// change: line 55: --fused-loss: the head inside `model` and the cross-entropy → tchmem::fused_loss (128 tokens per chunk): the loss and its gradients computed chunk by chunk in the forward pass, no logits tensor in forward or backward
 // change: line 56: phases marked (tchmem::phase: forward, backward, optimizer step), so that the cell's record tells activations and optimizer state apart and %%memprofile shows the phases
 // change: --fused-loss: `head`, the last layer of `model` → `gpt(…)`, marked with tchmem::fused_loss::SplitHead: it is the head as before everywhere, and inside `split_head` gives the fused loss its input and weights instead of the logits
-// %%optimize --checkpoint --offload --fused-loss --step-in-backward: rewritten by tchmem
+// %%optimize --checkpoint --amp bf16 --optimizer adafactor --offload --fused-loss 128 --step-in-backward: rewritten by tchmem
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, IndexOp, Kind, Tensor};
 
@@ -54,7 +56,7 @@ fn gpt(p: nn::Path) -> impl ModuleT {
 let device = Device::cuda_if_available();
 let vs = nn::VarStore::new(device);
 let model = gpt(vs.root() / "gpt");
-let mut opt = tchmem::optim::AdamW::from(nn::AdamW::default())
+let mut opt = tchmem::optim::Adafactor::default()
     .build(&vs, 3e-4)
     .map(tchmem::optim::Optimizer::in_backward)?;
 let data = Tensor::randint(VOCAB, [64, BLOCK + 1], (Kind::Int64, device));
@@ -64,8 +66,19 @@ for epoch in 1..=3 {
         let xs = batch.narrow(1, 0, BLOCK);
         let ys = batch.narrow(1, 1, BLOCK);
         tchmem::phase::forward();
-        let logits = tchmem::fused_loss::split_head(|| xs.apply_t(&model, true));
-        let loss = logits.cross_entropy(&ys.reshape([-1]));
+        let loss = tchmem::amp::autocast_on(
+            (&vs).device(),
+            tch::Kind::BFloat16,
+            || {
+                let logits = tchmem::fused_loss::split_head(|| {
+                    xs.apply_t(&model, true)
+                });
+                let loss = tchmem::fused_loss::FusedLoss::default()
+                    .chunk(128)
+                    .loss_of(&logits, &ys.reshape([-1]));
+                loss
+            },
+        );
         tchmem::phase::backward();
         opt.backward_step_clip(&loss, 0.5);
         tchmem::phase::end();
