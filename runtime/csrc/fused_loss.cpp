@@ -45,10 +45,13 @@ void accumulate_product(at::Tensor& sum, const at::Tensor& a, const at::Tensor& 
     sum.addmm_(a, b);
     return;
   }
-  if (mixed_addmm_works && sum.is_cuda()) {
+  const bool low = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
+  if (mixed_addmm_works && sum.is_cuda() && sum.scalar_type() == at::kFloat && low) {
     try {
       at::addmm_out(sum, sum, a, b, sum.scalar_type());
       return;
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // not this libtorch's limit: the caller's
     } catch (const c10::Error&) {
       mixed_addmm_works = false;  // checked before any work: `sum` is untouched
     }
@@ -68,6 +71,8 @@ void log_softmax_in_place(at::Tensor& x) {
     try {
       at::_log_softmax_out(x, x, 1, false);
       return;
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
     } catch (const c10::Error&) {
       in_place_log_softmax_works = false;
     }

@@ -244,7 +244,7 @@ impl<R: Runner> Cells<R> {
             &cell.code,
             Wanted {
                 batch: false,
-                optimizer: winner.optimizer.is_some(),
+                optimizer: winner.optimizer.is_some() || winner.step_in_backward,
                 model: winner.checkpoint.is_some(),
                 head: winner.fused_loss.is_some() && rewrite::loss_takes_model_output(&cell.code),
             },

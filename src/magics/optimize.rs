@@ -91,9 +91,6 @@ fn parse_fit_target(text: &str) -> Result<FitTarget, String> {
     }
 }
 
-/// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
-/// and run it.
-///
 /// The flags of the techniques beyond PyTorch's built-in recipe, shared by `%%optimize` and
 /// `%memestimate`.
 #[derive(Args, Debug, Clone, Default)]
@@ -174,6 +171,9 @@ impl BeyondArgs {
     }
 }
 
+/// Rewrite the tch training loop in this cell to use less GPU memory, show the rewritten code,
+/// and run it.
+///
 /// The cell below the magic line must hold the training loop: the model (nn::seq, or a struct
 /// implementing Module), the optimizer (`nn::Adam::default().build(&vs, lr)` …) and a loop with
 /// the forward pass, the loss and `opt.backward_step(&loss)` (or `loss.backward(); opt.step()`

@@ -400,11 +400,19 @@ fn isolated<T: Send + 'static>(
 /// rather than a head the cell applies: `--fused-loss` then marks the head where the model is
 /// built, so a model of earlier cells is brought in. A cell that does not parse takes none.
 pub fn loss_takes_model_output(src: &str) -> bool {
+    !models_under_loss(src).is_empty()
+}
+
+/// The models whose forward pass a cross-entropy of `src` takes (see
+/// [`loss_takes_model_output`]).
+pub fn models_under_loss(src: &str) -> Vec<String> {
     let src = src.to_owned();
     parse_thread::run("tchmem-facts", STACK_BYTES, move || {
-        cell::parse(&src).is_ok_and(|cell| fused_loss::takes_model_output(&cell.block))
+        cell::parse(&src)
+            .map(|cell| fused_loss::models_under_loss(&cell.block))
+            .unwrap_or_default()
     })
-    .unwrap_or(false)
+    .unwrap_or_default()
 }
 
 /// What the "will it fit?" magics read from a training cell.

@@ -1323,3 +1323,67 @@ fn rewrite_step_in_backward_keeps_clipping_by_value_as_one_call() {
         "{code}"
     );
 }
+
+#[test]
+fn rewrite_fused_loss_follows_reassignments_marks_once_and_rebuilds_no_earlier_head() {
+    // The closure's variable is reassigned: its last value ends in the head.
+    let reassigned = "let vs = nn::VarStore::new(device);\n\
+        let l1 = nn::linear(vs.root() / \"l1\", 8, 8, Default::default());\n\
+        let l2 = nn::linear(vs.root() / \"l2\", 8, 100, Default::default());\n\
+        let model = nn::func(move |xs| { let mut x = xs.apply(&l1); x = x.relu().apply(&l2); x });\n\
+        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();\n\
+        for (xs, ys) in batches.iter() {\n\
+            let loss = model.forward(xs).cross_entropy_for_logits(ys);\n\
+            opt.backward_step(&loss);\n\
+        }\n";
+    let code = rewrite_ok(reassigned, "--fused-loss")
+        .code
+        .replace(char::is_whitespace, "");
+    assert!(
+        code.contains("x=x.relu().apply(&tchmem::fused_loss::SplitHead::of(&l2));"),
+        "{code}"
+    );
+    assert!(code.contains("letmutx=xs.apply(&l1);"), "{code}");
+    // Reassigned in a loop: what it ends with cannot be read off.
+    let looped = reassigned.replace(
+        "x = x.relu().apply(&l2); x",
+        "for _ in 0..2 { x = x.relu().apply(&l2); } x",
+    );
+    let why = refusal(&looped, "--fused-loss");
+    assert!(why.message.contains("reassigned inside a loop"), "{why}");
+
+    // Two models built by one function: the head is marked once, both losses fused.
+    let two = "fn lm(p: nn::Path) -> impl Module {\n\
+        \x20   let head = nn::linear(&p / \"head\", 8, 100, Default::default());\n\
+        \x20   nn::func(move |xs| xs.apply(&head))\n\
+        }\n\
+        let vs = nn::VarStore::new(device);\n\
+        let a = lm(vs.root() / \"a\");\n\
+        let b = lm(vs.root() / \"b\");\n\
+        let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();\n\
+        for (xs, ys) in batches.iter() {\n\
+            let loss = a.forward(xs).cross_entropy_for_logits(ys) + b.forward(xs).cross_entropy_for_logits(ys);\n\
+            opt.backward_step(&loss);\n\
+        }\n";
+    let code = rewrite_ok(two, "--fused-loss").code;
+    assert_eq!(code.matches("SplitHead::of(&head)").count(), 1, "{code}");
+    assert_eq!(code.matches("split_head(").count(), 2, "{code}");
+
+    // A head of an earlier cell the cell applies itself: no model rebuilt for it.
+    use super::earlier::{assemble, EarlierCell, Wanted};
+    let earlier = [EarlierCell {
+        run: 1,
+        code: "let vs = nn::VarStore::new(device);\n\
+               let head = nn::linear(vs.root() / \"h\", 8, 100, Default::default());"
+            .into(),
+    }];
+    let cell = "let loss = h.apply(&head).cross_entropy_for_logits(&y);";
+    let head = Wanted {
+        batch: false,
+        optimizer: false,
+        model: false,
+        head: true,
+    };
+    let assembled = assemble(cell, &earlier, head);
+    assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+}

@@ -227,23 +227,20 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
     } else {
         None
     };
-    let model = match model {
-        None if wanted.head => direct
-            .iter()
-            .find_map(|name| rebuilt_model(name, &all, false, &direct)),
-        model => model,
-    };
     let linears: Vec<String> = direct
         .iter()
         .filter(|name| live.get(*name).is_some_and(|(_, _, d)| d.makes_linear()))
         .cloned()
         .collect();
     let model = match model {
-        // A head the cell applies itself needs no rebuilt model.
-        None if wanted.head => direct
-            .iter()
-            .filter(|name| !linears.contains(name))
-            .find_map(|name| rebuilt_model(name, &all, false, &direct)),
+        // Only a model whose output the loss takes (a head the cell applies itself needs none).
+        None if wanted.head => {
+            let under_loss = crate::rewrite::models_under_loss(cell);
+            direct
+                .iter()
+                .filter(|name| under_loss.contains(*name) && !linears.contains(name))
+                .find_map(|name| rebuilt_model(name, &all, false, &direct))
+        }
         model => model,
     };
     let models = match &model {

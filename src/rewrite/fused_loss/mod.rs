@@ -324,30 +324,45 @@ fn borrowed(expr: &Expr) -> Expr {
     }
 }
 
-/// Whether a cross-entropy of `block` takes a model's forward pass (directly or through a
+/// The models whose forward pass a cross-entropy of `block` takes (directly or through a
 /// variable) where no head of the block is shown.
-pub(crate) fn takes_model_output(block: &Block) -> bool {
+pub(crate) fn models_under_loss(block: &Block) -> Vec<String> {
     struct Finder<'l> {
         linears: &'l Linears,
-        forwards: BTreeSet<String>,
-        found: bool,
+        /// Variables bound to a model's forward pass, and the model.
+        forwards: Vec<(String, String)>,
+        found: Vec<String>,
+    }
+    impl Finder<'_> {
+        fn model(&self, expr: &Expr) -> Option<String> {
+            (head_of(expr, self.linears).is_none())
+                .then(|| model_of(expr).map(|m| m.to_string()))
+                .flatten()
+        }
     }
     impl<'a> Visit<'a> for Finder<'_> {
         fn visit_local(&mut self, local: &'a syn::Local) {
             if let (Some(name), Some(init)) = (single_name(&local.pat), &local.init) {
-                if model_of(&init.expr).is_some() && head_of(&init.expr, self.linears).is_none() {
-                    self.forwards.insert(name);
+                if let Some(model) = self.model(&init.expr) {
+                    self.forwards.push((name, model));
                 }
             }
             visit::visit_local(self, local);
         }
         fn visit_expr_method_call(&mut self, call: &'a ExprMethodCall) {
             if let Some(Ok(loss)) = as_loss(call) {
-                let bound = as_ident(loss.logits)
-                    .is_some_and(|name| self.forwards.contains(&name.to_string()));
-                let forward =
-                    model_of(loss.logits).is_some() && head_of(loss.logits, self.linears).is_none();
-                self.found |= bound || forward;
+                let bound = as_ident(loss.logits).and_then(|name| {
+                    self.forwards
+                        .iter()
+                        .rev()
+                        .find(|(bound, _)| name == bound)
+                        .map(|(_, model)| model.clone())
+                });
+                if let Some(model) = bound.or_else(|| self.model(loss.logits)) {
+                    if !self.found.contains(&model) {
+                        self.found.push(model);
+                    }
+                }
             }
             visit::visit_expr_method_call(self, call);
         }
@@ -355,8 +370,8 @@ pub(crate) fn takes_model_output(block: &Block) -> bool {
     let linears = Linears::of(block, &Known::default());
     let mut finder = Finder {
         linears: &linears,
-        forwards: BTreeSet::new(),
-        found: false,
+        forwards: Vec::new(),
+        found: Vec::new(),
     };
     finder.visit_block(block);
     finder.found

@@ -217,14 +217,59 @@ fn mark_block(block: &mut Block, linears: &Linears) -> Tail {
         return Tail::Other("no value at the end of the block".to_string());
     };
     if let Some(name) = as_ident(tail).map(ToString::to_string) {
-        if let Some(init) = let_init(block, &name) {
-            return mark_tail(init, linears);
+        match variable_value(block, &name) {
+            Ok(Some(value)) => return mark_tail(value, linears),
+            Ok(None) => {}
+            Err(why) => return Tail::Other(why),
         }
     }
     match block.stmts.last_mut() {
         Some(Stmt::Expr(tail, None)) => mark_tail(tail, linears),
         _ => unreachable!("checked above"),
     }
+}
+
+/// The value a block's variable `name` ends with: its last `let`'s, or that of the last
+/// assignment after it among the block's statements (`x = x.relu().apply(&l2);`); `Err` when it
+/// is reassigned inside a loop or a block after that (what it ends with cannot be read off).
+fn variable_value<'b>(block: &'b mut Block, name: &str) -> Result<Option<&'b mut Expr>, String> {
+    let binds = |stmt: &Stmt| matches!(stmt, Stmt::Local(local) if single_name(&local.pat).as_deref() == Some(name));
+    let assigns = |stmt: &Stmt| {
+        matches!(stmt, Stmt::Expr(Expr::Assign(a), _)
+            if as_ident(&a.left).is_some_and(|left| left == name))
+    };
+    let Some(bound) = block.stmts.iter().rposition(binds) else {
+        return Ok(None);
+    };
+    let last = (bound + 1..block.stmts.len())
+        .rev()
+        .find(|&i| assigns(&block.stmts[i]))
+        .unwrap_or(bound);
+    if block.stmts[last + 1..]
+        .iter()
+        .any(|stmt| assigns_inside(stmt, name))
+    {
+        return Err(format!("`{name}`, reassigned inside a loop or a block"));
+    }
+    Ok(match &mut block.stmts[last] {
+        Stmt::Expr(Expr::Assign(assign), _) => Some(&mut *assign.right),
+        Stmt::Local(local) => local.init.as_mut().map(|init| &mut *init.expr),
+        _ => None,
+    })
+}
+
+/// Whether `stmt` assigns `name` somewhere inside it.
+fn assigns_inside(stmt: &Stmt, name: &str) -> bool {
+    struct Finder<'n>(&'n str, bool);
+    impl<'a> syn::visit::Visit<'a> for Finder<'_> {
+        fn visit_expr_assign(&mut self, assign: &'a syn::ExprAssign) {
+            self.1 |= as_ident(&assign.left).is_some_and(|left| left == self.0);
+            syn::visit::visit_expr_assign(self, assign);
+        }
+    }
+    let mut finder = Finder(name, false);
+    syn::visit::Visit::visit_stmt(&mut finder, stmt);
+    finder.1
 }
 
 /// The value of the last `let` of `name` among the block's statements.
@@ -239,6 +284,9 @@ fn let_init<'b>(block: &'b mut Block, name: &str) -> Option<&'b mut Expr> {
 
 /// Marks the head `expr` ends in, or says where its value is made.
 fn mark_tail(expr: &mut Expr, linears: &Linears) -> Tail {
+    if matches!(&*expr, Expr::Call(_)) && is_marked(expr) {
+        return Tail::Marked(expr_text(expr));
+    }
     if let Some((hidden, weight)) = tied(expr) {
         let what = format!("the tied head `{}`", expr_text(&weight));
         let (hidden, weight) = (super::borrowed(&hidden), super::borrowed(&weight));
@@ -310,6 +358,13 @@ fn mark_method(call: &mut syn::ExprMethodCall, linears: &Linears) -> Option<Tail
     let method = call.method.to_string();
     let one_arg = call.args.len() == 1;
     match method.as_str() {
+        // Marked already (a model that two lets build with one function).
+        "apply" | "add" if one_arg && is_marked(&call.args[0]) => {
+            Some(Tail::Marked(expr_text(&call.args[0])))
+        }
+        "forward" if one_arg && is_marked(&call.receiver) => {
+            Some(Tail::Marked(expr_text(&call.receiver)))
+        }
         "apply" if one_arg && linears.is_linear(&call.args[0]) => {
             let layer = unreferenced(&call.args[0]);
             call.args[0] = syn::parse_quote!(&tchmem::fused_loss::SplitHead::of(&#layer));
@@ -339,6 +394,38 @@ fn tied(expr: &Expr) -> Option<(Expr, Expr)> {
             bias: None,
         } => Some((hidden, weight)),
         _ => None,
+    }
+}
+
+/// Whether `expr` is a head the rewriter marked (`SplitHead(…)`, `SplitHead::of(…)`,
+/// `tied_head(…)` of `tchmem::fused_loss`), past a `&`.
+fn is_marked(expr: &Expr) -> bool {
+    let Expr::Call(call) = strip_parens(unreferenced_ref(expr)) else {
+        return false;
+    };
+    let Expr::Path(func) = &*call.func else {
+        return false;
+    };
+    let names: Vec<String> = func
+        .path
+        .segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    matches!(
+        names.as_slice(),
+        ["tchmem", "fused_loss", "SplitHead"]
+            | ["tchmem", "fused_loss", "SplitHead", "of"]
+            | ["tchmem", "fused_loss", "tied_head"]
+    )
+}
+
+/// `expr` past a `&`.
+fn unreferenced_ref(expr: &Expr) -> &Expr {
+    match strip_parens(expr) {
+        Expr::Reference(r) => &r.expr,
+        other => other,
     }
 }
 
