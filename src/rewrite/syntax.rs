@@ -168,6 +168,14 @@ pub(crate) fn as_mut_ref_ident(expr: &Expr) -> Option<&Ident> {
     }
 }
 
+/// `expr` past a `&` (`head` of `&head`), without enclosing parentheses.
+pub(crate) fn unreferenced(expr: &Expr) -> &Expr {
+    match strip_parens(expr) {
+        Expr::Reference(r) => strip_parens(&r.expr),
+        other => other,
+    }
+}
+
 /// `expr` without enclosing parentheses.
 pub(crate) fn strip_parens(mut expr: &Expr) -> &Expr {
     while let Expr::Paren(p) = expr {

@@ -16,7 +16,9 @@ use syn::{Block, Expr, ExprMethodCall, Stmt};
 use super::cell::line_of;
 use super::change::Change;
 use super::earlier::Known;
-use super::syntax::{as_ident, as_ref_ident, is_nn_path, single_name, strip_parens, Names};
+use super::syntax::{
+    as_ident, as_ref_ident, is_nn_path, single_name, strip_parens, unreferenced, Names,
+};
 use super::Refusal;
 
 mod model_head;
@@ -93,11 +95,7 @@ impl Linears {
 
     /// Whether `expr` (`head`, `&head`, `self.head`) is one of them.
     fn is_linear(&self, expr: &Expr) -> bool {
-        let expr = match strip_parens(expr) {
-            Expr::Reference(r) => strip_parens(&r.expr),
-            other => other,
-        };
-        match expr {
+        match unreferenced(expr) {
             Expr::Field(field) => match &field.member {
                 syn::Member::Named(name) => self.fields.contains(&name.to_string()),
                 syn::Member::Unnamed(_) => false,
@@ -176,10 +174,7 @@ fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
         return None;
     };
     let linear = |layer: &Expr, hidden: &Expr| {
-        let layer = match strip_parens(layer) {
-            Expr::Reference(r) => (*r.expr).clone(),
-            other => other.clone(),
-        };
+        let layer = unreferenced(layer);
         Head::Shown {
             hidden: hidden.clone(),
             weight: syn::parse_quote!(#layer.ws),
@@ -199,11 +194,7 @@ fn head_of(expr: &Expr, linears: &Linears) -> Option<Head> {
         }
         // A tied head: `h.matmul(&wte.ws.tr())`.
         ("matmul", 1) => {
-            let arg = match strip_parens(&call.args[0]) {
-                Expr::Reference(r) => strip_parens(&r.expr),
-                other => other,
-            };
-            let Expr::MethodCall(transposed) = arg else {
+            let Expr::MethodCall(transposed) = unreferenced(&call.args[0]) else {
                 return None;
             };
             let transposes = match transposed.method.to_string().as_str() {

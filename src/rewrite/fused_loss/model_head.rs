@@ -15,7 +15,9 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Block, Expr, Ident, Stmt};
 
 use super::super::earlier::{EarlierFn, Known};
-use super::super::syntax::{as_ident, is_nn_path, single_name, strip_parens};
+use super::super::syntax::{
+    as_ident, is_nn_path, segments, single_name, strip_parens, unreferenced,
+};
 use super::Linears;
 use crate::rewrite::cell::pretty;
 use crate::rewrite::change::Change;
@@ -55,30 +57,31 @@ pub(super) fn mark(
     known: &Known,
     changes: &mut Vec<Change>,
 ) -> Result<(), String> {
-    let functions = &known.functions;
     let mut site = Site::Let(model.to_string());
     let mut path = vec![format!("`{model}`")];
+    let mut linears = Linears::of(block, known);
     for _ in 0..MAX_DEPTH {
-        let tail = match at_site(block, &site, known) {
+        let tail = match at_site(block, &site, &linears) {
             Some(tail) => tail,
-            None => match (
-                &site,
-                functions
-                    .iter()
-                    .find(|f| matches!(&site, Site::Function(n) if *n == f.name)),
-            ) {
-                (Site::Function(name), Some(earlier)) => {
-                    bring_in(block, earlier)?;
-                    changes.push(Change::general(format!(
-                        "--fused-loss: `fn {name}` of cell [{}] is redefined in this cell with \
-                         its head marked (the same function elsewhere: the mark only acts \
-                         inside the fused loss)",
-                        earlier.run
-                    )));
-                    at_site(block, &site, known).unwrap_or_else(|| Tail::Other(String::new()))
-                }
-                _ => return Err(not_found(&site, &path)),
-            },
+            None => {
+                // A function of an earlier cell: redefined in the cell, where it can be marked.
+                let earlier = match &site {
+                    Site::Function(name) => known.functions.iter().find(|f| &f.name == name),
+                    _ => None,
+                };
+                let Some(earlier) = earlier else {
+                    return Err(not_found(&site, &path));
+                };
+                bring_in(block, earlier)?;
+                changes.push(Change::general(format!(
+                    "--fused-loss: `fn {}` of cell [{}] is redefined in this cell with its head \
+                     marked (the same function elsewhere: the mark only acts inside the fused \
+                     loss)",
+                    earlier.name, earlier.run
+                )));
+                linears = Linears::of(block, known);
+                at_site(block, &site, &linears).ok_or_else(|| not_found(&site, &path))?
+            }
         };
         match tail {
             Tail::Marked(what) => {
@@ -152,16 +155,15 @@ fn bring_in(block: &mut Block, earlier: &EarlierFn) -> Result<(), String> {
 }
 
 /// Marks the head at `site` in `block`, if the site is there.
-fn at_site(block: &mut Block, site: &Site, known: &Known) -> Option<Tail> {
-    let linears = Linears::of(block, known);
+fn at_site(block: &mut Block, site: &Site, linears: &Linears) -> Option<Tail> {
     // A model is a `let` of the cell's top level (a rebuilt one too), not one of a function's
     // own variables.
     if let Site::Let(name) = site {
-        return let_init(block, name).map(|init| mark_tail(init, &linears));
+        return let_init(block, name).map(|init| mark_tail(init, linears));
     }
     let mut finder = SiteFinder {
         site,
-        linears: &linears,
+        linears,
         tail: None,
     };
     finder.visit_block_mut(block);
@@ -308,12 +310,7 @@ fn mark_tail(expr: &mut Expr, linears: &Linears) -> Tail {
             let Expr::Path(func) = &*call.func else {
                 return Tail::Other(text());
             };
-            let names: Vec<String> = func
-                .path
-                .segments
-                .iter()
-                .map(|s| s.ident.to_string())
-                .collect();
+            let names = segments(&func.path);
             if is_nn_path(&func.path, &["func_t"]) || is_nn_path(&func.path, &["func"]) {
                 let single = call.args.len() == 1;
                 return match call.args.first_mut() {
@@ -366,12 +363,12 @@ fn mark_method(call: &mut syn::ExprMethodCall, linears: &Linears) -> Option<Tail
             Some(Tail::Marked(expr_text(&call.receiver)))
         }
         "apply" if one_arg && linears.is_linear(&call.args[0]) => {
-            let layer = unreferenced(&call.args[0]);
+            let layer = unreferenced(&call.args[0]).clone();
             call.args[0] = syn::parse_quote!(&tchmem::fused_loss::SplitHead::of(&#layer));
             Some(Tail::Marked(format!("`{}`", expr_text(&layer))))
         }
         "forward" if one_arg && linears.is_linear(&call.receiver) => {
-            let layer = unreferenced(&call.receiver);
+            let layer = unreferenced(&call.receiver).clone();
             *call.receiver = syn::parse_quote!(tchmem::fused_loss::SplitHead::of(&#layer));
             Some(Tail::Marked(format!("`{}`", expr_text(&layer))))
         }
@@ -400,18 +397,13 @@ fn tied(expr: &Expr) -> Option<(Expr, Expr)> {
 /// Whether `expr` is a head the rewriter marked (`SplitHead(…)`, `SplitHead::of(…)`,
 /// `tied_head(…)` of `tchmem::fused_loss`), past a `&`.
 fn is_marked(expr: &Expr) -> bool {
-    let Expr::Call(call) = strip_parens(unreferenced_ref(expr)) else {
+    let Expr::Call(call) = unreferenced(expr) else {
         return false;
     };
     let Expr::Path(func) = &*call.func else {
         return false;
     };
-    let names: Vec<String> = func
-        .path
-        .segments
-        .iter()
-        .map(|s| s.ident.to_string())
-        .collect();
+    let names = segments(&func.path);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     matches!(
         names.as_slice(),
@@ -419,22 +411,6 @@ fn is_marked(expr: &Expr) -> bool {
             | ["tchmem", "fused_loss", "SplitHead", "of"]
             | ["tchmem", "fused_loss", "tied_head"]
     )
-}
-
-/// `expr` past a `&`.
-fn unreferenced_ref(expr: &Expr) -> &Expr {
-    match strip_parens(expr) {
-        Expr::Reference(r) => &r.expr,
-        other => other,
-    }
-}
-
-/// `layer` of `&layer`.
-fn unreferenced(expr: &Expr) -> Expr {
-    match strip_parens(expr) {
-        Expr::Reference(r) => (*r.expr).clone(),
-        other => other.clone(),
-    }
 }
 
 /// An expression's text on one line, a method chain by its last call (`….add_fn(…)`).
