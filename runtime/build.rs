@@ -22,12 +22,17 @@ fn main() {
         .file("csrc/grad.cpp")
         .file("csrc/fused_loss.cpp")
         .file("csrc/step_in_backward.cpp")
+        .file("csrc/op_trace.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")
         // The same ABI and glog settings as torch-sys.
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .define("GLOG_USE_GLOG_EXPORT", None)
+        // libtorch is a release build: some of its classes have debug-only fields
+        // (RecordFunction's `inputs_valid_`), so headers read without NDEBUG lay them out
+        // differently from the library.
+        .define("NDEBUG", None)
         // GCC would otherwise inline a CUDA-runtime call from a header into the object, which
         // the linker then cannot resolve (notes/libtorch.md).
         .flag("-fno-devirtualize-speculatively")
@@ -66,6 +71,7 @@ fn main() {
             .flag("-std=c++17")
             .define("_GLIBCXX_USE_CXX11_ABI", "1")
             .define("GLOG_USE_GLOG_EXPORT", None)
+            .define("NDEBUG", None)
             .flag("-fno-devirtualize-speculatively")
             .warnings(false)
             .compile("tchmem_cuda_shim");

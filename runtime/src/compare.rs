@@ -14,7 +14,7 @@ use tch::Tensor;
 use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
 use crate::cuda_stats::{self, DEVICE};
-use crate::{estimate, record};
+use crate::{estimate, op_trace, record};
 
 struct State {
     run: CompareRun,
@@ -24,6 +24,10 @@ struct State {
     /// Where the watched models' variables were when the run began: the run's own model is the
     /// one that is not there.
     existing: std::collections::HashSet<usize>,
+    /// Whether the last step's operators are recorded (see [`begin_recording_ops`]).
+    record_ops: bool,
+    /// Whether a recording is on now.
+    recording: bool,
 }
 
 /// The part of a training step between two phase markers.
@@ -43,6 +47,18 @@ struct Peaks {
     reserved: u64,
     /// The part of the step since the last marker (`None`: outside the marked parts).
     part: Option<Part>,
+    /// Highest allocated bytes in that part before restarts an operator recording made.
+    part_carried: u64,
+}
+
+impl Peaks {
+    /// Takes back the peaks an operator recording restarted.
+    fn fold_carried(&mut self) {
+        let (allocated, reserved) = op_trace::take_carried();
+        self.allocated = self.allocated.max(allocated);
+        self.reserved = self.reserved.max(reserved);
+        self.part_carried = self.part_carried.max(allocated);
+    }
 }
 
 // One cell runs begin, the loop and finish: a cell's own copy of this static is enough.
@@ -66,6 +82,17 @@ pub const SEED: i64 = 0;
 /// step by step), frees the allocator's cache and resets its peaks, so that runs measured one
 /// after the other start alike.
 pub fn begin(steps: usize) {
+    start(steps, false)
+}
+
+/// [`begin`], and the last step's operators recorded with their bytes (CUDA only): a
+/// calibration trial of the memory estimate, which lines up two trials' operators and replays
+/// some at the batch it predicts (`tchmem::op_trace`).
+pub fn begin_recording_ops(steps: usize) {
+    start(steps, tch::Cuda::is_available())
+}
+
+fn start(steps: usize, record_ops: bool) {
     tch::manual_seed(SEED);
     synchronize();
     let _ = cuda_stats::empty_cache();
@@ -84,10 +111,16 @@ pub fn begin(steps: usize) {
             allocated: 0,
             reserved: 0,
             part: None,
+            part_carried: 0,
         }),
         // A model kept for the run (made in an earlier cell) is the run's own.
         existing: &estimate::watched_addresses() - &crate::keep::kept_addresses(),
+        record_ops,
+        recording: false,
     });
+    if record_ops && steps <= 1 {
+        start_recording(state().as_mut());
+    }
 }
 
 /// Called by each phase marker, before it takes its own lock: during a run on CUDA, the
@@ -103,6 +136,7 @@ pub(crate) fn at_marker(next: Option<Part>) {
     let Ok(stats) = cuda_stats::device_stats(DEVICE) else {
         return;
     };
+    peaks.fold_carried();
     peaks.allocated = peaks.allocated.max(stats.peak.allocated);
     peaks.reserved = peaks.reserved.max(stats.peak.reserved);
     if let Some(part) = peaks.part {
@@ -114,10 +148,11 @@ pub(crate) fn at_marker(next: Option<Part>) {
             Part::ForwardBackward => &mut phase_peaks.forward_backward,
             Part::Step => &mut phase_peaks.step,
         };
-        *peak = (*peak).max(stats.peak.allocated);
+        *peak = (*peak).max(stats.peak.allocated).max(peaks.part_carried);
     }
     let _ = cuda_stats::reset_peak_stats(DEVICE);
     peaks.part = next;
+    peaks.part_carried = 0;
 }
 
 /// Notes one optimizer step and its loss; true once the run has its steps (the loop stops).
@@ -127,6 +162,11 @@ pub fn record_step(loss: &Tensor) -> bool {
     let Some(state) = guard.as_mut() else {
         return false;
     };
+    // The recorded step ends here: reading the loss is not the loop's.
+    if state.recording {
+        state.recording = false;
+        state.run.ops = op_trace::stop().ok();
+    }
     // The loss value waits for the step's kernels, so the time is the step's.
     let value = loss.double_value(&[]);
     synchronize();
@@ -151,13 +191,26 @@ pub fn record_step(loss: &Tensor) -> bool {
     }
     // After every step, so that a loop with fewer steps than asked still has its numbers.
     measure(state);
+    // The last step's operators are recorded from here.
+    if state.record_ops && state.run.losses.len() + 1 == state.run.steps_wanted {
+        start_recording(Some(state));
+    }
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
     done
 }
 
+fn start_recording(state: Option<&mut State>) {
+    if let Some(state) = state {
+        state.recording = op_trace::start().is_ok();
+    }
+}
+
 /// The allocator's peaks since the run began and what a step leaves allocated, as of now.
 fn measure(state: &mut State) {
+    if let Some(peaks) = state.peaks.as_mut() {
+        peaks.fold_carried();
+    }
     let run = &mut state.run;
     if let Ok(stats) = cuda_stats::device_stats(DEVICE) {
         let (allocated, reserved) = state
@@ -173,7 +226,13 @@ fn measure(state: &mut State) {
 
 /// Ends the run; the value shows as the run's measurements (the kernel reads them).
 pub fn finish() -> Finished {
-    Finished(state().take().map(|s| s.run).unwrap_or_default())
+    let mut state = state().take();
+    if let Some(state) = state.as_mut().filter(|s| s.recording) {
+        // The loop stopped before the recorded step's end.
+        let _ = op_trace::stop();
+        state.recording = false;
+    }
+    Finished(state.map(|s| s.run).unwrap_or_default())
 }
 
 /// A finished run, shown to the kernel as [`COMPARE_RUN_MIME`].

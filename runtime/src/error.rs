@@ -21,6 +21,10 @@ pub enum RuntimeError {
     /// An allocation timeline could not be recorded or written; why.
     #[error("{0}")]
     Timeline(String),
+    /// The operator recordings a replay asked for are not kept (never made, or dropped for
+    /// newer ones); their identifiers.
+    #[error("no operator recordings {0}, {1} (only the newest are kept)")]
+    NoOpRecording(u64, u64),
     /// An argument outside what the call accepts; which and why.
     #[error("{0}")]
     Invalid(String),

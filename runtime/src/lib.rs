@@ -20,6 +20,7 @@ pub mod interrupt;
 pub mod keep;
 mod nvml;
 pub mod oom;
+pub mod op_trace;
 pub mod record;
 mod state;
 pub mod timeline;

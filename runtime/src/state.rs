@@ -88,6 +88,18 @@ pub struct Recording {
     pub(crate) stopped: bool,
 }
 
+/// Operator recordings kept for the estimate's replay (see `op_trace`): C++ objects made by
+/// one cell's copy of the shim and replayed by another's.
+#[derive(Default)]
+pub struct OpRecordings {
+    /// The identifier the next recording gets.
+    pub(crate) next_id: u64,
+    /// The newest recordings, by identifier: the address of each C++ object.
+    pub(crate) kept: std::collections::VecDeque<(u64, usize)>,
+    /// libtorch's handle of the callback of a recording under way.
+    pub(crate) recording: Option<u64>,
+}
+
 /// What the session start measured, if it ran on CUDA.
 pub(crate) fn at_start() -> Option<AtStart> {
     *lock(&shared().at_start)
@@ -108,6 +120,8 @@ pub struct Shared {
     pub oom_events: Mutex<Vec<OomEvent>>,
     /// The allocation timeline being recorded (see timeline.rs).
     pub timeline: Mutex<Option<Recording>>,
+    /// Operator recordings kept for a replay (see op_trace.rs).
+    pub op_recordings: Mutex<OpRecordings>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -144,6 +158,7 @@ pub fn shared() -> &'static Shared {
                 at_start: Mutex::new(None),
                 oom_events: Mutex::new(Vec::new()),
                 timeline: Mutex::new(None),
+                op_recordings: Mutex::new(OpRecordings::default()),
             }))
         };
         let Some(slot) = child_slot() else {

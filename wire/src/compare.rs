@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::estimate::ParamShape;
 use crate::memory::MemoryRecord;
+use crate::op_trace::OpTrace;
 
 /// The MIME type of a [`CompareRun`] in a cell's outputs (taken out by the kernel).
 pub const COMPARE_RUN_MIME: &str = "application/vnd.tchmem.compare-run+json";
@@ -40,6 +41,9 @@ pub struct CompareRun {
     /// from the `tchmem::phase` markers (CUDA only, and only when the loop has markers).
     #[serde(default)]
     pub phase_peaks: Option<PhasePeaks>,
+    /// The operators of the last step, when the run recorded them (calibration trials on CUDA).
+    #[serde(default)]
+    pub ops: Option<OpTrace>,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.

@@ -9,6 +9,7 @@ pub mod compare;
 pub mod estimate;
 pub mod memory;
 pub mod mime;
+pub mod op_trace;
 pub mod progress;
 mod slot;
 pub mod timeline;

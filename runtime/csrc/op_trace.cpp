@@ -1,0 +1,406 @@
+// What each operator of one training step allocates, and the same operators run again alone at
+// other shapes (the memory estimate's per-op lines, issue #20).
+//
+// While a recording is on, a global RecordFunction callback notes every top-level operator a
+// thread calls (nested calls belong to their caller): its name, its arguments (a tensor by its
+// shape and kind only, so nothing is kept alive), the bytes allocated when it began and how far
+// above that the allocator went while it ran. The allocator's peak is restarted at each
+// operator; the peaks it had before each restart are carried, for the run's own measurement to
+// take back (tchmem_ops_take_carried).
+//
+// Replay builds an operator's arguments at another batch (a dimension that was b1 in one
+// recording and b2 in the other is scaled; zero-filled tensors), calls it through the dispatcher
+// and measures the same excess: a workspace that cuDNN sizes for the chosen algorithm at that
+// shape shows, which a line through two small batches cannot know.
+//
+// Inside the kernel every cell links its own copy of this file: a recording is started and
+// stopped by one cell's copy (the trial's), then handed to Rust as a heap object, which the
+// runtime's process-wide state keeps for the replay cell's copy. The callback is removed when a
+// recording stops, so that no operator pays for it afterwards.
+//
+// Uses only the generic device allocator interface (no CUDA headers). Nothing unwinds into Rust.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include "error.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+// An argument as recorded.
+struct Arg {
+  enum class Kind { Value, Tensor, TensorList } kind = Kind::Value;
+  c10::IValue value;              // Kind::Value
+  std::vector<int64_t> sizes;     // Kind::Tensor
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  bool requires_grad = false;     // composite operators choose their kernels by it
+  std::vector<Arg> items;         // Kind::TensorList
+};
+
+struct Op {
+  c10::OperatorName name{"", ""};
+  bool replayable = false;  // its arguments were recorded
+  std::vector<Arg> args;
+  // The thread's modes when it ran, which decide what it computes (bf16 under autocast, the
+  // tensors a composite operator keeps for backward).
+  bool grad_enabled = false;
+  bool autocast = false;
+  c10::ScalarType autocast_dtype = c10::ScalarType::BFloat16;
+  int64_t start = 0;
+  int64_t excess = 0;
+};
+
+struct Recording {
+  std::vector<Op> ops;
+};
+
+std::mutex mutex;  // guards everything below but `active`
+Recording current;
+std::optional<at::CallbackHandle> handle;
+bool cuda = false;
+c10::DeviceIndex device = 0;
+int64_t carried_allocated = 0;
+int64_t carried_reserved = 0;
+std::atomic<bool> active{false};
+bool registered = false;
+thread_local int depth = 0;
+
+struct Context : at::ObserverContext {
+  bool top = false;
+  size_t index = 0;
+};
+
+Arg describe(const c10::IValue& value) {
+  Arg arg;
+  if (value.isTensor() && value.toTensor().defined()) {
+    const auto& t = value.toTensor();
+    arg.kind = Arg::Kind::Tensor;
+    arg.sizes = t.sizes().vec();
+    arg.dtype = t.scalar_type();
+    arg.device = t.device();
+    arg.requires_grad = t.requires_grad();
+  } else if (value.isTensorList()) {
+    arg.kind = Arg::Kind::TensorList;
+    for (const at::Tensor& t : value.toTensorList().vec()) arg.items.push_back(describe(t));
+  } else if (value.isTensor()) {
+    arg.value = c10::IValue();  // an undefined tensor: None
+  } else {
+    arg.value = value;
+  }
+  return arg;
+}
+
+// Reads the allocator's counters: (current allocated, peak allocated, peak reserved).
+struct Counters {
+  int64_t current, peak, peak_reserved;
+};
+Counters counters(c10::DeviceIndex device) {
+  auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(device);
+  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak,
+          stats.reserved_bytes[0].peak};
+}
+
+// Never throws: the context is returned whatever happens, so that `depth` comes back down.
+// Ranges that are no operator (autograd's nodes: `ConvolutionBackward0`) are skipped: the
+// operators they call are the top level.
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (!active.load() || !fn.operator_name()) return nullptr;
+  auto context = std::make_unique<Context>();
+  context->top = depth++ == 0;
+  if (!context->top) return context;
+  Op op;
+  try {
+    op.name = *fn.operator_name();
+    op.grad_enabled = c10::GradMode::is_enabled();
+    op.autocast = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
+    op.autocast_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CUDA);
+    // Some calls reach the dispatcher without boxed inputs: recorded, never replayed.
+    for (const auto& input : fn.inputs()) op.args.push_back(describe(input));
+    op.replayable = true;
+  } catch (const std::exception& e) {
+    op.args.clear();
+  }
+  try {
+    if (cuda) {
+      auto now = counters(device);
+      c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(device);
+      op.start = now.current;
+      std::lock_guard<std::mutex> lock(mutex);
+      carried_allocated = std::max(carried_allocated, now.peak);
+      carried_reserved = std::max(carried_reserved, now.peak_reserved);
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    context->index = current.ops.size();
+    current.ops.push_back(std::move(op));
+  } catch (const std::exception&) {
+    context->index = SIZE_MAX;
+  }
+  return context;
+}
+
+void on_end(const at::RecordFunction&, at::ObserverContext* raw) {
+  auto* context = static_cast<Context*>(raw);
+  if (context == nullptr) return;
+  depth--;
+  if (!context->top || !cuda) return;
+  try {
+    auto now = counters(device);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (context->index < current.ops.size()) {
+      auto& op = current.ops[context->index];
+      op.excess = std::max<int64_t>(0, now.peak - op.start);
+    }
+  } catch (const std::exception&) {
+  }
+}
+
+// A dimension `d1` in the recording at `b1` and `d2` at `b2`, at `target`: scaled when it moved
+// with the batch (d1/b1 == d2/b2), else as it was.
+int64_t scaled(int64_t d1, int64_t d2, int64_t b1, int64_t b2, int64_t target) {
+  if (d1 != d2 && d1 * b2 == d2 * b1 && d1 * target % b1 == 0) return d1 * target / b1;
+  return d1;
+}
+
+c10::IValue rebuild(const Arg& a1, const Arg& a2, int64_t b1, int64_t b2, int64_t target) {
+  switch (a1.kind) {
+    case Arg::Kind::Tensor: {
+      TORCH_CHECK(a2.kind == Arg::Kind::Tensor && a2.sizes.size() == a1.sizes.size(),
+                  "the two recordings' arguments differ");
+      std::vector<int64_t> sizes;
+      for (size_t i = 0; i < a1.sizes.size(); i++)
+        sizes.push_back(scaled(a1.sizes[i], a2.sizes[i], b1, b2, target));
+      auto tensor = at::zeros(sizes, at::TensorOptions().dtype(a1.dtype).device(a1.device));
+      if (a1.requires_grad && tensor.is_floating_point()) tensor.requires_grad_(true);
+      return tensor;
+    }
+    case Arg::Kind::TensorList: {
+      TORCH_CHECK(a2.kind == Arg::Kind::TensorList && a2.items.size() == a1.items.size(),
+                  "the two recordings' arguments differ");
+      c10::List<at::Tensor> list;
+      for (size_t i = 0; i < a1.items.size(); i++)
+        list.push_back(rebuild(a1.items[i], a2.items[i], b1, b2, target).toTensor());
+      return list;
+    }
+    case Arg::Kind::Value:
+      break;
+  }
+  const auto& v1 = a1.value;
+  const auto& v2 = a2.value;
+  if (v1.isInt() && v2.isInt()) return scaled(v1.toInt(), v2.toInt(), b1, b2, target);
+  if (v1.isIntList() && v2.isIntList()) {
+    auto l1 = v1.toIntVector();
+    auto l2 = v2.toIntVector();
+    if (l1.size() == l2.size()) {
+      std::vector<int64_t> out;
+      for (size_t i = 0; i < l1.size(); i++) out.push_back(scaled(l1[i], l2[i], b1, b2, target));
+      return out;
+    }
+  }
+  return v1;
+}
+
+// One operator run alone at `target`: its excess over what was allocated when it began (0
+// without CUDA: the operator only runs). It runs twice and the second run counts: the first
+// may make what a library creates once and keeps (cuBLAS's and cuBLASLt's workspaces for this
+// thread, cuDNN's handle), which the trial's step found made by the steps before it.
+int64_t replay_one(const Op& o1, const Op& o2, int64_t b1, int64_t b2, int64_t target,
+                   bool cuda, c10::DeviceIndex device) {
+  TORCH_CHECK(o1.replayable && o2.replayable && o1.name == o2.name &&
+                  o1.args.size() == o2.args.size(),
+              "the two recordings' operators differ");
+  auto operation = c10::Dispatcher::singleton().findSchema(o1.name);
+  TORCH_CHECK(operation.has_value(), "no operator ", o1.name.name);
+  // The modes it ran under, put back as they were afterwards.
+  c10::AutoGradMode grad_mode(o1.grad_enabled);
+  struct AutocastAs {
+    bool enabled;
+    c10::ScalarType dtype;
+    explicit AutocastAs(const Op& op)
+        : enabled(at::autocast::is_autocast_enabled(c10::DeviceType::CUDA)),
+          dtype(at::autocast::get_autocast_dtype(c10::DeviceType::CUDA)) {
+      at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, op.autocast_dtype);
+      at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, op.autocast);
+    }
+    ~AutocastAs() {
+      at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, enabled);
+      at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, dtype);
+      at::autocast::clear_cache();
+    }
+  } autocast(o1);
+  int64_t excess = 0;
+  for (int run = 0; run < (cuda ? 2 : 1); run++) {
+    torch::jit::Stack stack;
+    for (size_t i = 0; i < o1.args.size(); i++)
+      stack.push_back(rebuild(o1.args[i], o2.args[i], b1, b2, target));
+    if (!cuda) {
+      operation->callBoxed(stack);
+      return 0;
+    }
+    // Autocast's copies of the first run are not the second's to find.
+    at::autocast::clear_cache();
+    int64_t start = counters(device).current;
+    c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(device);
+    operation->callBoxed(stack);
+    excess = std::max<int64_t>(0, counters(device).peak - start);
+  }
+  return excess;
+}
+
+std::string signature(const Op& op) {
+  std::string key = op.name.name + "." + op.name.overload_name + "|" +
+                    std::to_string(op.grad_enabled) + std::to_string(op.autocast) +
+                    std::to_string(static_cast<int>(op.autocast_dtype));
+  std::function<void(const Arg&)> add = [&](const Arg& a) {
+    if (a.kind == Arg::Kind::Tensor) {
+      key += "|T" + std::to_string(static_cast<int>(a.dtype)) + std::to_string(a.requires_grad);
+      for (auto d : a.sizes) key += "," + std::to_string(d);
+    } else if (a.kind == Arg::Kind::TensorList) {
+      key += "|[";
+      for (const auto& item : a.items) add(item);
+      key += "]";
+    } else {
+      std::ostringstream text;
+      text << a.value;
+      key += "|" + text.str();
+    }
+  };
+  for (const auto& a : op.args) add(a);
+  return key;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Starts recording the operators every thread calls; `with_cuda`: measure the CUDA allocator
+// of `device_index` (otherwise only names and arguments). `callback` gets the callback's
+// handle, for tchmem_ops_remove if the recording is never stopped.
+int tchmem_ops_start(int with_cuda, int device_index, uint64_t* callback, char* err,
+                     size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!handle) {
+          handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                             .needsInputs(true)
+                                             .scopes({at::RecordScope::FUNCTION}));
+        }
+        cuda = with_cuda != 0;
+        device = static_cast<c10::DeviceIndex>(device_index);
+        current = Recording{};
+        *callback = *handle;
+        active.store(true);
+      },
+      err, err_len);
+}
+
+// Stops recording and removes the callback; `recording` gets the recording (free it with
+// tchmem_ops_free), `count` its operators.
+int tchmem_ops_stop(void** recording, size_t* count, char* err, size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        active.store(false);
+        std::lock_guard<std::mutex> lock(mutex);
+        if (handle) {
+          at::removeCallback(*handle);
+          handle.reset();
+        }
+        auto* kept = new Recording(std::move(current));
+        current = Recording{};
+        *count = kept->ops.size();
+        *recording = kept;
+      },
+      err, err_len);
+}
+
+// Removes the callback of a recording that was never stopped (its cell failed first): any
+// cell's copy may, the handle is libtorch's.
+void tchmem_ops_remove(uint64_t callback) { at::removeCallback(callback); }
+
+// Frees a recording tchmem_ops_stop returned.
+void tchmem_ops_free(void* recording) { delete static_cast<Recording*>(recording); }
+
+// Operator `index` of `recording`: its name (NUL-terminated, cut to `name_len`), the bytes
+// allocated when it began and its excess.
+int tchmem_ops_get(const void* recording, size_t index, char* name, size_t name_len,
+                   int64_t* start, int64_t* excess, char* err, size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        const auto* r = static_cast<const Recording*>(recording);
+        TORCH_CHECK(index < r->ops.size(), "no operator ", index);
+        const Op& op = r->ops[index];
+        std::string text = op.name.name;
+        if (!op.name.overload_name.empty()) text += "." + op.name.overload_name;
+        tchmem::write_error(text.c_str(), name, name_len);
+        *start = op.start;
+        *excess = op.excess;
+      },
+      err, err_len);
+}
+
+// The allocator's peaks the recording restarted since the last call (0 when none), and
+// forgets them: the run's measurement takes them back into its own peaks.
+void tchmem_ops_take_carried(int64_t* allocated, int64_t* reserved) {
+  std::lock_guard<std::mutex> lock(mutex);
+  *allocated = carried_allocated;
+  *reserved = carried_reserved;
+  carried_allocated = 0;
+  carried_reserved = 0;
+}
+
+// Runs operators `indices` of `first` (recorded at batch b1; `second`, at b2, tells which
+// dimensions grow with the batch) alone at batch `target`, on the CUDA allocator of
+// `device_index` when `with_cuda`; `excess[i]` gets each one's excess, or -1 when it could not
+// run (the estimate then keeps the operator's line). Operators with the same arguments run
+// once.
+int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t b2,
+                      int64_t target, const size_t* indices, size_t count, int with_cuda,
+                      int device_index, int64_t* excess, char* err, size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        const auto* r1 = static_cast<const Recording*>(first);
+        const auto* r2 = static_cast<const Recording*>(second);
+        auto on = static_cast<c10::DeviceIndex>(device_index);
+        std::map<std::string, int64_t> done;
+        for (size_t i = 0; i < count; i++) {
+          size_t k = indices[i];
+          TORCH_CHECK(k < r1->ops.size() && k < r2->ops.size(), "no operator ", k);
+          const Op& o1 = r1->ops[k];
+          const Op& o2 = r2->ops[k];
+          std::string key = signature(o1) + "/" + signature(o2);
+          auto found = done.find(key);
+          if (found != done.end()) {
+            excess[i] = found->second;
+            continue;
+          }
+          int64_t value = -1;
+          try {
+            value = replay_one(o1, o2, b1, b2, target, with_cuda != 0, on);
+          } catch (const std::exception&) {
+            value = -1;
+          }
+          if (with_cuda != 0) c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+          done[key] = value;
+          excess[i] = value;
+        }
+      },
+      err, err_len);
+}
+
+}  // extern "C"

@@ -1,0 +1,219 @@
+//! Per-operator memory of a training step (csrc/op_trace.cpp): calibration trials record the
+//! bytes each top-level operator began with and added while it ran, and the estimate runs the
+//! operators that matter alone at the batch it predicts, so that a workspace cuDNN sizes per
+//! shape is measured there rather than drawn on a line through two small batches.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use tchmem_wire::op_trace::{OpCost, OpReplay, OpTrace, OP_REPLAY_MIME};
+
+use crate::cuda_stats::DEVICE;
+use crate::error::Result;
+use crate::ffi::call;
+use crate::state;
+
+/// Recordings kept for a replay: the last few calibrations' (a few hundred operators each).
+const KEPT: usize = 16;
+
+extern "C" {
+    fn tchmem_ops_start(
+        cuda: c_int,
+        device: c_int,
+        callback: *mut u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_ops_remove(callback: u64);
+    fn tchmem_ops_stop(
+        recording: *mut *mut c_void,
+        count: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_ops_free(recording: *mut c_void);
+    fn tchmem_ops_get(
+        recording: *const c_void,
+        index: usize,
+        name: *mut c_char,
+        name_len: usize,
+        start: *mut i64,
+        excess: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_ops_take_carried(allocated: *mut i64, reserved: *mut i64);
+    fn tchmem_ops_replay(
+        first: *const c_void,
+        second: *const c_void,
+        b1: i64,
+        b2: i64,
+        target: i64,
+        indices: *const usize,
+        count: usize,
+        cuda: c_int,
+        device: c_int,
+        excess: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Starts recording every top-level operator any thread runs, with the CUDA allocator's bytes
+/// when CUDA is there (names and arguments only otherwise).
+pub(crate) fn start() -> Result<()> {
+    abandon();
+    let cuda = tch::Cuda::is_available();
+    let mut callback = 0u64;
+    // SAFETY: plain arguments, an out-pointer to a local and the error buffer.
+    call(|e, n| unsafe { tchmem_ops_start(cuda as c_int, DEVICE as c_int, &mut callback, e, n) })?;
+    state::lock(&state::shared().op_recordings).recording = Some(callback);
+    Ok(())
+}
+
+/// Removes the callback of a recording that was never stopped (the cell that started it failed
+/// before its recorded step ended), so that no later operator pays for it. The kernel's child
+/// calls it after every cell.
+pub(crate) fn abandon() {
+    if let Some(callback) = state::lock(&state::shared().op_recordings).recording.take() {
+        // SAFETY: a handle libtorch gave; removing one twice is a no-op there.
+        unsafe { tchmem_ops_remove(callback) };
+    }
+}
+
+/// Stops recording; the operators in the order they ran. The recording is kept (the last
+/// [`KEPT`]) under the trace's `id` for a replay.
+pub(crate) fn stop() -> Result<OpTrace> {
+    let (mut recording, mut count) = (std::ptr::null_mut::<c_void>(), 0usize);
+    // SAFETY: out-pointers to locals and the error buffer.
+    call(|e, n| unsafe { tchmem_ops_stop(&mut recording, &mut count, e, n) })?;
+    state::lock(&state::shared().op_recordings).recording = None;
+    let ops = (0..count)
+        .map(|index| operator(recording, index))
+        .collect::<Result<Vec<_>>>();
+    let mut kept = state::lock(&state::shared().op_recordings);
+    kept.next_id += 1;
+    let id = kept.next_id;
+    kept.kept.push_back((id, recording as usize));
+    while kept.kept.len() > KEPT {
+        if let Some((_, old)) = kept.kept.pop_front() {
+            // SAFETY: made by tchmem_ops_stop and dropped from the list before it is freed.
+            unsafe { tchmem_ops_free(old as *mut c_void) };
+        }
+    }
+    Ok(OpTrace { id, ops: ops? })
+}
+
+fn operator(recording: *const c_void, index: usize) -> Result<OpCost> {
+    let mut name = [0 as c_char; 256];
+    let (mut start, mut excess) = (0i64, 0i64);
+    // SAFETY: a live recording, a name buffer of its length, out-pointers to locals, the
+    // error buffer.
+    call(|e, n| unsafe {
+        tchmem_ops_get(
+            recording,
+            index,
+            name.as_mut_ptr(),
+            name.len(),
+            &mut start,
+            &mut excess,
+            e,
+            n,
+        )
+    })?;
+    // SAFETY: the shim NUL-terminates what it writes.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) };
+    Ok(OpCost {
+        name: name.to_string_lossy().into_owned(),
+        start: start.max(0) as u64,
+        excess: excess.max(0) as u64,
+    })
+}
+
+/// The allocator's peaks (allocated, reserved) that a recording restarted since the last
+/// call: a run measuring its own peaks takes them back.
+pub(crate) fn take_carried() -> (u64, u64) {
+    let (mut allocated, mut reserved) = (0i64, 0i64);
+    // SAFETY: out-pointers to locals; the function cannot fail.
+    unsafe { tchmem_ops_take_carried(&mut allocated, &mut reserved) };
+    (allocated.max(0) as u64, reserved.max(0) as u64)
+}
+
+/// Runs `f` with its operators recorded.
+pub fn record<T>(f: impl FnOnce() -> T) -> Result<(T, OpTrace)> {
+    start()?;
+    let value = f();
+    Ok((value, stop()?))
+}
+
+/// Runs operators `indices` of the recording `first` (made at batch `b1`; `second`, at `b2`,
+/// tells which dimensions grow with the batch) alone at batch `target`, and measures what each
+/// allocated above what was there when it began (0 each without CUDA: they only run). A
+/// failure as a whole is in the answer's `error`.
+pub fn replay(
+    first: u64,
+    second: u64,
+    (b1, b2): (u64, u64),
+    target: u64,
+    indices: &[usize],
+) -> Replayed {
+    match replay_all(first, second, (b1, b2), target, indices) {
+        Ok(excess) => Replayed(OpReplay {
+            excess,
+            error: None,
+        }),
+        Err(error) => Replayed(OpReplay {
+            excess: vec![None; indices.len()],
+            error: Some(error.to_string()),
+        }),
+    }
+}
+
+fn replay_all(
+    first: u64,
+    second: u64,
+    (b1, b2): (u64, u64),
+    target: u64,
+    indices: &[usize],
+) -> Result<Vec<Option<u64>>> {
+    // Held while the operators run: no recording is dropped meanwhile (they record nothing).
+    let kept = state::lock(&state::shared().op_recordings);
+    let find = |id: u64| kept.kept.iter().find(|(k, _)| *k == id).map(|(_, r)| *r);
+    let (Some(r1), Some(r2)) = (find(first), find(second)) else {
+        return Err(crate::error::RuntimeError::NoOpRecording(first, second));
+    };
+    let mut excess = vec![-1i64; indices.len()];
+    let cuda = tch::Cuda::is_available();
+    // SAFETY: two live recordings, `indices` and `excess` of `indices.len()` elements, the
+    // error buffer.
+    call(|e, n| unsafe {
+        tchmem_ops_replay(
+            r1 as *const c_void,
+            r2 as *const c_void,
+            b1 as i64,
+            b2 as i64,
+            target as i64,
+            indices.as_ptr(),
+            indices.len(),
+            cuda as c_int,
+            DEVICE as c_int,
+            excess.as_mut_ptr(),
+            e,
+            n,
+        )
+    })?;
+    Ok(excess
+        .into_iter()
+        .map(|bytes| (bytes >= 0).then_some(bytes as u64))
+        .collect())
+}
+
+/// A replay's measurements, shown to the kernel as [`OP_REPLAY_MIME`].
+pub struct Replayed(pub OpReplay);
+
+impl Replayed {
+    /// evcxr's hook for showing a cell's value.
+    pub fn evcxr_display(&self) {
+        let json = serde_json::to_string(&self.0).unwrap_or_default();
+        println!("EVCXR_BEGIN_CONTENT {OP_REPLAY_MIME}\n{json}\nEVCXR_END_CONTENT");
+    }
+}
