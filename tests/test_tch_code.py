@@ -233,3 +233,46 @@ def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left
     reply, messages = execute(kc, SPLIT_LOOP + "\nweights(&vs) == before")
     assert reply["status"] == "ok", reply
     assert result_text(messages) == "false"
+
+
+# One training step of a small conv net, its operators recorded (what `%memestimate`'s trials
+# do on CUDA), at a batch the next cells choose.
+RECORD_STEP = """use tch::nn::{self, ModuleT, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+fn recorded_step(batch: i64) -> (u64, Vec<String>) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let conv = nn::conv2d(vs.root() / "conv", 3, 8, 3, Default::default());
+    let fc = nn::linear(vs.root() / "fc", 8 * 6 * 6, 10, Default::default());
+    let net = nn::seq_t().add(conv).add_fn(|x| x.relu().flatten(1, -1)).add(fc);
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let xs = Tensor::rand([batch, 3, 8, 8], (Kind::Float, Device::Cpu));
+    let ys = Tensor::randint(10, [batch], (Kind::Int64, Device::Cpu));
+    let ((), trace) = tchmem::op_trace::record(|| {
+        opt.backward_step(&net.forward_t(&xs, true).cross_entropy_for_logits(&ys))
+    })
+    .unwrap();
+    (trace.id, trace.ops.into_iter().map(|op| op.name).collect())
+}
+"""
+
+
+def test_operators_recorded_in_one_cell_replay_in_another(kernel):
+    """The estimate's replay runs in a cell of its own, whose copy of the runtime is not the
+    trial's: the recordings live in the runtime's process-wide state."""
+    _, kc = kernel
+    reply, _ = execute(kc, RECORD_STEP)
+    assert reply["status"] == "ok", reply
+    reply, _ = execute(
+        kc,
+        "let (small, names) = recorded_step(4);\nlet (large, _) = recorded_step(8);\n"
+        "let conv = names.iter().position(|n| n == \"aten::convolution_backward\").unwrap();",
+    )
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(
+        kc,
+        "let replayed = tchmem::op_trace::replay(small, large, (4, 8), 32, &[conv]);\n"
+        "format!(\"{:?} {:?}\", replayed.0.excess, replayed.0.error)",
+    )
+    assert reply["status"] == "ok", reply
+    # It ran (no bytes are measured without CUDA).
+    assert result_text(messages) == '"[Some(0)] None"', result_text(messages)

@@ -68,7 +68,7 @@ impl<R: Runner> Cells<R> {
             format!("%memestimate: calibrating ({what})"),
             display_sink(&io.output),
         );
-        let calibration = match self.calibrate(&cell, &request.calibrated, target, &mut table) {
+        let mut calibration = match self.calibrate(&cell, &request.calibrated, target, &mut table) {
             Ok(Ok(calibration)) => calibration,
             Ok(Err(why)) => {
                 return fail(CellError::new(
@@ -104,6 +104,7 @@ impl<R: Runner> Cells<R> {
             rule,
             begin: largest.begin,
         };
+        self.replay_heaviest(&mut calibration, scenario.micro_batch());
         let Some(prediction) = calibration.predict(&scenario) else {
             return CellOutcome::default();
         };

@@ -8,6 +8,7 @@ mod fit;
 pub mod live;
 mod memprofile;
 mod oom;
+mod op_replay;
 mod optimize;
 mod optimize_fit;
 mod run;

@@ -77,19 +77,25 @@ pub(super) fn code_display(flags: &str, code: &str, changes: &[Change]) -> Displ
     }
 }
 
+/// Starts a `--compare` run.
+pub(super) const BEGIN: &str = "tchmem::compare::begin";
+/// Starts a trial whose last step's operators are recorded (CUDA), for the estimate.
+pub(super) const BEGIN_RECORDING_OPS: &str = "tchmem::compare::begin_recording_ops";
+
 /// The cell that runs one instrumented version for `steps` steps, in a block so that it leaves
 /// no variables behind (whatever its last expression's type), and returns the measurements as
 /// its value. evcxr's `:` commands stay at the top of the cell, where evcxr reads them. The
 /// VarStores in `keep` (made by earlier cells) are kept before the run and put back after it,
-/// however it ends (see the runtime's `tchmem::keep`).
-pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String]) -> String {
+/// however it ends (see the runtime's `tchmem::keep`). `begin` is the runtime function that
+/// starts the run ([`BEGIN`], or [`BEGIN_RECORDING_OPS`] for an estimate's trial).
+pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String], begin: &str) -> String {
     let (commands, code): (Vec<&str>, Vec<&str>) = instrumented
         .lines()
         .partition(|line| line.trim_start().starts_with(':'));
     let (commands, code) = (commands.join("\n"), code.join("\n"));
     if keep.is_empty() {
         return format!(
-            "{commands}\ntchmem::compare::begin({steps});\nlet _ = {{\n{code}\n}};\n\
+            "{commands}\n{begin}({steps});\nlet _ = {{\n{code}\n}};\n\
              tchmem::compare::finish()\n"
         );
     }
@@ -102,7 +108,7 @@ pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String]) -> S
     // is shown with `Debug` by evcxr when the cell has a `?`.
     format!(
         "{commands}\nlet __tchmem_finished = {{\nlet __tchmem_kept = ({kept});\n\
-         tchmem::compare::begin({steps});\nlet _ = {{\n{code}\n}};\ntchmem::compare::finish()\n\
+         {begin}({steps});\nlet _ = {{\n{code}\n}};\ntchmem::compare::finish()\n\
          }};\n__tchmem_finished\n"
     )
 }
@@ -141,7 +147,7 @@ impl<R: Runner> Cells<R> {
         ));
         self.live_label = Some(format!("--compare: {name}"));
         let outcome = self.run_cell_code(
-            &compare_cell(&instrumented, steps, keep),
+            &compare_cell(&instrumented, steps, keep, BEGIN),
             CellIo {
                 output: Arc::clone(&io.output),
                 input: None,
@@ -289,11 +295,11 @@ fn first_line(text: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::{compare_cell, compare_misleads};
+    use super::{compare_cell, compare_misleads, BEGIN};
 
     #[test]
     fn the_compare_cell_keeps_commands_on_top_and_any_tail_value_in_a_block() {
-        let cell = compare_cell(":dep rand = \"0.8\"\nlet x = 1;\nx + 1", 3, &[]);
+        let cell = compare_cell(":dep rand = \"0.8\"\nlet x = 1;\nx + 1", 3, &[], BEGIN);
         assert!(cell.starts_with(":dep rand"), "{cell}");
         assert!(
             cell.contains("begin(3);\nlet _ = {\nlet x = 1;\nx + 1\n};"),
@@ -305,6 +311,7 @@ mod tests {
             "opt.backward_step(&loss);",
             2,
             &["vs".into(), "critic".into()],
+            BEGIN,
         );
         assert!(
             cell.contains(

@@ -523,3 +523,103 @@ fn var_stores_are_watched_once_per_process() {
     cells.execute("let z = 3;", CellIo::quiet());
     assert_eq!(watches(&cells), 2);
 }
+
+/// A GPU whose trials record their operators: a layer whose excess grows with the batch, then a
+/// backward whose workspace does on the trials (48 MiB a sample) but not at 64, where the
+/// algorithm cuDNN picks needs 512 MiB. The replay cell answers from `replay`.
+fn recording_gpu(replay: Option<u64>) -> impl FnMut(&str) -> CellOutcome {
+    use tchmem_wire::op_trace::{OpCost, OpReplay, OpTrace, OP_REPLAY_MIME};
+    move |code| {
+        if code.contains("tchmem::op_trace::replay(") {
+            let answer = match replay {
+                Some(workspace) => OpReplay {
+                    excess: vec![Some(32 * 64 * MIB), Some(workspace)],
+                    error: None,
+                },
+                None => OpReplay {
+                    excess: vec![None, None],
+                    error: Some("no operator recordings 16, 32".into()),
+                },
+            };
+            return data(OP_REPLAY_MIME, serde_json::to_string(&answer).unwrap());
+        }
+        if !code.contains("tchmem::compare::begin_recording_ops") {
+            return gpu().answer(code);
+        }
+        let b = batch_of(code);
+        let op = |name: &str, start: u64, excess: u64| OpCost {
+            name: name.into(),
+            start,
+            excess,
+        };
+        let run = CompareRun {
+            steps_wanted: 3,
+            losses: vec![2.3, 2.2, 2.1],
+            step_seconds: vec![0.5, 0.1, 0.1],
+            allocated_at_begin: Some(0),
+            peak_allocated: Some((1024 + 80 * b) * MIB),
+            peak_reserved: Some((1024 + 80 * b) * MIB),
+            allocated_after_step: Some(1024 * MIB),
+            ops: Some(OpTrace {
+                id: b,
+                ops: vec![
+                    op("aten::linear", 1024 * MIB, 32 * b * MIB),
+                    op(
+                        "aten::convolution_backward",
+                        (1024 + 32 * b) * MIB,
+                        48 * b * MIB,
+                    ),
+                ],
+            }),
+            ..Default::default()
+        };
+        data(COMPARE_RUN_MIME, serde_json::to_string(&run).unwrap())
+    }
+}
+
+#[test]
+fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
+    let mut cells = cells(FakeRunner::new(recording_gpu(Some(512 * MIB))));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%memestimate\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    // Trials at 16 and 32 (recordings 16 and 32), then both operators run alone at 64.
+    assert!(
+        cells
+            .runner
+            .ran
+            .iter()
+            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[0, 1])"),
+        "{:?}",
+        cells.runner.ran
+    );
+    // 1 GiB + 32 MiB · 64 + the 512 MiB measured, not the trials' line (1 GiB + 80 MiB · 64).
+    let text = shown.all();
+    let row = activations_row(&text);
+    assert!(
+        row.contains("the 2 heaviest run alone at this batch"),
+        "{row}"
+    );
+    assert!(row.contains(" 3.5 GiB "), "{row}");
+}
+
+/// The activations' row of an estimate's table.
+fn activations_row(text: &str) -> String {
+    let row = text.lines().find(|line| line.starts_with("activations "));
+    row.expect("an activations row").to_string()
+}
+
+#[test]
+fn an_estimate_whose_replay_fails_keeps_the_trials_line() {
+    let mut cells = cells(FakeRunner::new(recording_gpu(None)));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%memestimate\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let text = shown.all();
+    let row = activations_row(&text);
+    assert!(
+        row.contains("a line through the calibration trials"),
+        "{row}"
+    );
+    assert!(row.contains(" 6.0 GiB "), "{row}");
+}

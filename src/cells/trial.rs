@@ -5,7 +5,7 @@
 use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
 use tchmem_wire::estimate::{DeviceRoom, OptimizerRule, DEVICE_ROOM_MIME};
 
-use super::optimize::{compare_cell, compare_misleads};
+use super::optimize::{compare_cell, compare_misleads, BEGIN_RECORDING_OPS};
 use super::{Cells, Runner};
 use crate::fit::estimate::{calibration_batches, fallback_batch, Calibration};
 use crate::fit::trial::{Measured, Outcome, Trial};
@@ -170,7 +170,12 @@ impl<R: Runner> Cells<R> {
             Err(refusal) => return Err(refused(refusal)),
         };
         let instrumented = rewrite::instrument_for_compare(&code).map_err(refused)?;
-        let run = compare_cell(&instrumented, steps, &assembled.var_stores);
+        let run = compare_cell(
+            &instrumented,
+            steps,
+            &assembled.var_stores,
+            BEGIN_RECORDING_OPS,
+        );
         // Its own output is dropped; its live view shows under the magic's cell.
         self.live_label = Some(format!("trial at batch {batch}{}", options.flags()));
         let outcome = self.run_cell_code(&run, self.live_view_only());
@@ -263,6 +268,7 @@ impl<R: Runner> Cells<R> {
             points,
             rule: cell.rule,
             gradients_in_backward: options.step_in_backward,
+            replayed: None,
         }))
     }
 }

@@ -205,6 +205,7 @@ mod tests {
             points,
             rule: OptimizerRule::Adam,
             gradients_in_backward: false,
+            replayed: None,
         }
     }
 

@@ -412,6 +412,7 @@ mod tests {
             points: vec![(16, sim(16, 0, &rule)), (32, sim(32, 0, &rule))],
             rule,
             gradients_in_backward: false,
+            replayed: None,
         };
         let binding = crate::rewrite::batch::find("let batch_size = 64;").unwrap();
         // At 64 the simulated loop reserves ~300 MiB; give it 200 MiB.

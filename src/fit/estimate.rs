@@ -11,6 +11,7 @@
 use tchmem_wire::estimate::{tensor_bytes, OptimizerRule, ParamShape};
 use tchmem_wire::memory::{Category, CategoryName};
 
+use super::op_peak::{OpLines, Replayed};
 use super::trial::Measured;
 
 /// Bytes that do not depend on the batch.
@@ -82,6 +83,9 @@ pub struct Calibration {
     /// The trials stepped each parameter in backward (`--step-in-backward`): the gradients
     /// never all live, so they are no fixed term; the few alive at once are in the line.
     pub gradients_in_backward: bool,
+    /// Operators of the trials run alone at the micro-batch to predict (see [`OpLines`]); a
+    /// prediction at that micro-batch takes the step's peak from the operators' lines.
+    pub replayed: Option<Replayed>,
 }
 
 /// The batch sizes to calibrate on for a target batch: a quarter and a half of it, at least 1
@@ -116,6 +120,13 @@ pub struct Scenario {
     pub rule: OptimizerRule,
     /// Bytes the notebook holds when the loop starts.
     pub begin: u64,
+}
+
+impl Scenario {
+    /// The micro-batch each forward pass sees.
+    pub fn micro_batch(&self) -> u64 {
+        self.batch.div_ceil(self.accumulate.max(1)).max(1)
+    }
 }
 
 /// A predicted peak.
@@ -205,7 +216,7 @@ impl Calibration {
         let own = self.fixed(&self.rule).unwrap_or_default();
         let target = self.fixed(&scenario.rule).unwrap_or(own);
         let accumulate = scenario.accumulate.max(1);
-        let micro = scenario.batch.div_ceil(accumulate).max(1);
+        let micro = scenario.micro_batch();
         let above = |value: u64, m: &Measured| value.saturating_sub(m.begin) as f64;
         let line = |pick: fn(&Measured) -> Option<u64>, floor: f64| {
             let points: Vec<(f64, f64)> = self
@@ -230,7 +241,11 @@ impl Calibration {
         };
         let fb = forward_backward.value_at(micro as f64) + state_change + accumulated;
         let st = step.map_or(0.0, |l| l.value_at(micro as f64) + state_change);
-        let loop_peak = fb.max(st).max(target.total() as f64).round() as u64;
+        let by_operators = self.operators_peak(micro);
+        let loop_peak = by_operators
+            .map_or(fb.max(st), |(peak, ..)| peak + state_change + accumulated)
+            .max(target.total() as f64)
+            .round() as u64;
         let cache = self.cache(loop_peak);
         let (seconds, step_time) = self.step_time(micro, accumulate);
         let peak_allocated = scenario.begin + loop_peak;
@@ -262,10 +277,17 @@ impl Calibration {
                 CategoryName::Activations,
                 loop_peak.saturating_sub(target.total()),
                 false,
-                &format!(
-                    "activations, batch and temporaries at micro-batch {micro}: a line through \
-                     the calibration trials"
-                ),
+                &match by_operators {
+                    Some((_, operators, replayed)) => format!(
+                        "activations, batch and temporaries at micro-batch {micro}: each of the \
+                         step's {operators} operators on its line through the calibration \
+                         trials, the {replayed} heaviest run alone at this batch"
+                    ),
+                    None => format!(
+                        "activations, batch and temporaries at micro-batch {micro}: a line \
+                         through the calibration trials"
+                    ),
+                },
             ),
             category(
                 CategoryName::Other,
@@ -296,6 +318,19 @@ impl Calibration {
             step_seconds: seconds,
             step_time,
         })
+    }
+
+    /// The step's peak above what the notebook held at `micro`, from the trials' operators,
+    /// when they recorded them and the heaviest were replayed at `micro`.
+    /// Also says how many operators the step ran, and how many were replayed.
+    fn operators_peak(&self, micro: u64) -> Option<(f64, usize, usize)> {
+        let replayed = self.replayed.as_ref().filter(|r| r.micro == micro)?;
+        let lines = OpLines::of(&self.points)?;
+        Some((
+            lines.peak(micro, Some(replayed)),
+            lines.operators(),
+            replayed.excess.len(),
+        ))
     }
 
     /// The step time at `micro`-sized micro-batches, `accumulate` of them: the median steps'
@@ -435,6 +470,7 @@ pub(crate) mod tests {
             step_range: (0.01 + 0.002 * batch as f64, 0.01 + 0.002 * batch as f64),
             losses: vec![1.0, 0.9, 0.8],
             parameters: shapes(),
+            ops: None,
         }
     }
 
@@ -446,6 +482,7 @@ pub(crate) mod tests {
                 .collect(),
             rule: OptimizerRule::Adam,
             gradients_in_backward: false,
+            replayed: None,
         }
     }
 

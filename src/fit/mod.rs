@@ -4,13 +4,15 @@
 //! A training cell is run as short *trials* (the `--compare` instrumentation: a few optimizer
 //! steps at a chosen batch size, under chosen rewrites). [`trial`] holds what one trial
 //! measured; [`estimate`] predicts a configuration's peak from exact fixed terms (parameters,
-//! gradients, the optimizer's state by its rule) and a slope calibrated on two small trials;
+//! gradients, the optimizer's state by its rule) and a slope calibrated on two small trials,
+//! refined per operator by [`op_peak`] where the trials recorded their operators;
 //! [`search`] finds the largest batch that fits by trials; [`candidates`] ranks the rewrites'
 //! combinations for `--fit`; [`diagnosis`] explains an OOM with ranked fixes.
 
 pub mod candidates;
 pub mod diagnosis;
 pub mod estimate;
+pub mod op_peak;
 pub mod search;
 pub mod trial;
 

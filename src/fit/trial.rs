@@ -3,6 +3,7 @@
 
 use tchmem_wire::compare::CompareRun;
 use tchmem_wire::estimate::ParamShape;
+use tchmem_wire::op_trace::OpTrace;
 
 use crate::rewrite::Options;
 
@@ -31,6 +32,8 @@ pub struct Measured {
     pub losses: Vec<f64>,
     /// The model's trainable parameters.
     pub parameters: Vec<ParamShape>,
+    /// The last step's operators and their bytes, when the trial recorded them (CUDA).
+    pub ops: Option<OpTrace>,
 }
 
 impl Measured {
@@ -48,6 +51,7 @@ impl Measured {
             step_range: run.step_range_seconds().unwrap_or((typical, typical)),
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
+            ops: run.ops.clone(),
         })
     }
 }

@@ -701,6 +701,7 @@ mod tests {
             ],
             rule: OptimizerRule::Adam,
             gradients_in_backward: false,
+            replayed: None,
         };
         let prediction = calibration
             .predict(&Scenario {
