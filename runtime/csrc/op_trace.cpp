@@ -42,15 +42,20 @@
 
 namespace {
 
-// An argument as recorded.
+// An argument as recorded: never a tensor itself (a recording must keep no memory alive).
 struct Arg {
-  enum class Kind { Value, Tensor, TensorList } kind = Kind::Value;
-  c10::IValue value;              // Kind::Value
+  enum class Kind { Value, Tensor, TensorList, OptionalTensorList } kind = Kind::Value;
+  c10::IValue value;              // Kind::Value: holds no tensor
   std::vector<int64_t> sizes;     // Kind::Tensor
+  // How it lay in memory: its dimensions from outermost to innermost, and those broadcast
+  // (stride 0), so that a transposed or expanded input is rebuilt as one.
+  std::vector<int64_t> order;
+  std::vector<bool> expanded;
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   bool requires_grad = false;     // composite operators choose their kernels by it
-  std::vector<Arg> items;         // Kind::TensorList
+  bool none = false;              // an absent item of a Tensor?[] list
+  std::vector<Arg> items;         // the lists
 };
 
 struct Op {
@@ -70,15 +75,15 @@ struct Recording {
   std::vector<Op> ops;
 };
 
-std::mutex mutex;  // guards everything below but `active`
+std::mutex mutex;  // guards `current`, `handle` and the carried peaks
 Recording current;
 std::optional<at::CallbackHandle> handle;
-bool cuda = false;
-c10::DeviceIndex device = 0;
+// Read by the callbacks on every thread, set before a recording starts.
+std::atomic<bool> cuda{false};
+std::atomic<c10::DeviceIndex> device{0};
 int64_t carried_allocated = 0;
 int64_t carried_reserved = 0;
 std::atomic<bool> active{false};
-bool registered = false;
 thread_local int depth = 0;
 
 struct Context : at::ObserverContext {
@@ -86,20 +91,76 @@ struct Context : at::ObserverContext {
   size_t index = 0;
 };
 
+// Thrown by describe for an argument a replay could not rebuild: a view with gaps (a slice),
+// a tensor inside a tuple or dictionary. The operator is then recorded without arguments.
+struct NotReplayable : std::exception {
+  const char* what() const noexcept override { return "not replayable"; }
+};
+
+bool holds_tensor(const c10::IValue& v) {
+  if (v.isTensor() || v.isTensorList() || v.isGenericDict() || v.isObject()) return true;
+  if (v.isList())
+    for (const auto& item : v.toListRef())
+      if (holds_tensor(item)) return true;
+  if (v.isTuple())
+    for (const auto& item : v.toTupleRef().elements())
+      if (holds_tensor(item)) return true;
+  return false;
+}
+
+Arg describe_tensor(const at::Tensor& t) {
+  Arg arg;
+  arg.kind = Arg::Kind::Tensor;
+  arg.sizes = t.sizes().vec();
+  arg.dtype = t.scalar_type();
+  arg.device = t.device();
+  arg.requires_grad = t.requires_grad();
+  auto strides = t.strides();
+  int64_t n = static_cast<int64_t>(arg.sizes.size());
+  arg.expanded.assign(n, false);
+  std::vector<int64_t> dense, trivial;
+  for (int64_t d = 0; d < n; d++) {
+    arg.expanded[d] = strides[d] == 0 && arg.sizes[d] > 1;
+    (arg.expanded[d] || arg.sizes[d] == 1 ? trivial : dense).push_back(d);
+  }
+  std::stable_sort(dense.begin(), dense.end(),
+                   [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  // Dense up to the order: each dimension's stride is what the inner ones span.
+  int64_t span = 1;
+  for (auto d = dense.rbegin(); d != dense.rend(); ++d) {
+    if (strides[*d] != span) throw NotReplayable();
+    span *= arg.sizes[*d];
+  }
+  arg.order = trivial;
+  arg.order.insert(arg.order.end(), dense.begin(), dense.end());
+  return arg;
+}
+
 Arg describe(const c10::IValue& value) {
   Arg arg;
   if (value.isTensor() && value.toTensor().defined()) {
-    const auto& t = value.toTensor();
-    arg.kind = Arg::Kind::Tensor;
-    arg.sizes = t.sizes().vec();
-    arg.dtype = t.scalar_type();
-    arg.device = t.device();
-    arg.requires_grad = t.requires_grad();
-  } else if (value.isTensorList()) {
-    arg.kind = Arg::Kind::TensorList;
-    for (const at::Tensor& t : value.toTensorList().vec()) arg.items.push_back(describe(t));
+    return describe_tensor(value.toTensor());
   } else if (value.isTensor()) {
     arg.value = c10::IValue();  // an undefined tensor: None
+  } else if (value.isTensorList()) {
+    arg.kind = Arg::Kind::TensorList;
+    for (const at::Tensor& t : value.toTensorList().vec()) arg.items.push_back(describe_tensor(t));
+  } else if (value.isList() && holds_tensor(value)) {
+    // Tensor?[] (indexing): tensors and Nones.
+    arg.kind = Arg::Kind::OptionalTensorList;
+    for (const auto& item : value.toListRef()) {
+      if (item.isNone() || (item.isTensor() && !item.toTensor().defined())) {
+        Arg none;
+        none.none = true;
+        arg.items.push_back(none);
+      } else if (item.isTensor()) {
+        arg.items.push_back(describe_tensor(item.toTensor()));
+      } else {
+        throw NotReplayable();
+      }
+    }
+  } else if (holds_tensor(value)) {
+    throw NotReplayable();
   } else {
     arg.value = value;
   }
@@ -133,8 +194,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     // Some calls reach the dispatcher without boxed inputs: recorded, never replayed.
     for (const auto& input : fn.inputs()) op.args.push_back(describe(input));
     op.replayable = true;
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     op.args.clear();
+    op.replayable = false;
   }
   try {
     if (cuda) {
@@ -171,30 +233,57 @@ void on_end(const at::RecordFunction&, at::ObserverContext* raw) {
 }
 
 // A dimension `d1` in the recording at `b1` and `d2` at `b2`, at `target`: scaled when it moved
-// with the batch (d1/b1 == d2/b2), else as it was.
+// with the batch (d1/b1 == d2/b2), else as it was; a replay at a batch it does not divide into
+// whole sizes is refused.
 int64_t scaled(int64_t d1, int64_t d2, int64_t b1, int64_t b2, int64_t target) {
-  if (d1 != d2 && d1 * b2 == d2 * b1 && d1 * target % b1 == 0) return d1 * target / b1;
-  return d1;
+  if (d1 == d2 || d1 * b2 != d2 * b1) return d1;
+  TORCH_CHECK(d1 * target % b1 == 0, "a size of ", d1, " at batch ", b1,
+              " has no whole size at batch ", target);
+  return d1 * target / b1;
+}
+
+// A zero-filled tensor as `a1` lay in memory (its dimensions' order, the broadcast ones), at the
+// sizes the two recordings scale to at `target`.
+at::Tensor rebuild_tensor(const Arg& a1, const Arg& a2, int64_t b1, int64_t b2, int64_t target) {
+  TORCH_CHECK(a2.kind == Arg::Kind::Tensor && a2.sizes.size() == a1.sizes.size(),
+              "the two recordings' arguments differ");
+  size_t n = a1.sizes.size();
+  std::vector<int64_t> sizes, stored, back(n);
+  for (size_t d = 0; d < n; d++) sizes.push_back(scaled(a1.sizes[d], a2.sizes[d], b1, b2, target));
+  for (size_t i = 0; i < n; i++) {
+    int64_t d = a1.order[i];
+    stored.push_back(a1.expanded[d] ? 1 : sizes[d]);
+    back[d] = static_cast<int64_t>(i);
+  }
+  auto tensor = at::zeros(stored, at::TensorOptions().dtype(a1.dtype).device(a1.device));
+  if (a1.requires_grad && tensor.is_floating_point()) tensor.requires_grad_(true);
+  tensor = tensor.permute(back);
+  if (std::find(a1.expanded.begin(), a1.expanded.end(), true) != a1.expanded.end())
+    tensor = tensor.expand(sizes);
+  return tensor;
 }
 
 c10::IValue rebuild(const Arg& a1, const Arg& a2, int64_t b1, int64_t b2, int64_t target) {
+  bool lists = a1.kind == Arg::Kind::TensorList || a1.kind == Arg::Kind::OptionalTensorList;
+  TORCH_CHECK(a1.kind == a2.kind && (!lists || a1.items.size() == a2.items.size()),
+              "the two recordings' arguments differ");
   switch (a1.kind) {
-    case Arg::Kind::Tensor: {
-      TORCH_CHECK(a2.kind == Arg::Kind::Tensor && a2.sizes.size() == a1.sizes.size(),
-                  "the two recordings' arguments differ");
-      std::vector<int64_t> sizes;
-      for (size_t i = 0; i < a1.sizes.size(); i++)
-        sizes.push_back(scaled(a1.sizes[i], a2.sizes[i], b1, b2, target));
-      auto tensor = at::zeros(sizes, at::TensorOptions().dtype(a1.dtype).device(a1.device));
-      if (a1.requires_grad && tensor.is_floating_point()) tensor.requires_grad_(true);
-      return tensor;
-    }
+    case Arg::Kind::Tensor:
+      return rebuild_tensor(a1, a2, b1, b2, target);
     case Arg::Kind::TensorList: {
-      TORCH_CHECK(a2.kind == Arg::Kind::TensorList && a2.items.size() == a1.items.size(),
-                  "the two recordings' arguments differ");
       c10::List<at::Tensor> list;
       for (size_t i = 0; i < a1.items.size(); i++)
-        list.push_back(rebuild(a1.items[i], a2.items[i], b1, b2, target).toTensor());
+        list.push_back(rebuild_tensor(a1.items[i], a2.items[i], b1, b2, target));
+      return list;
+    }
+    case Arg::Kind::OptionalTensorList: {
+      c10::List<std::optional<at::Tensor>> list;
+      for (size_t i = 0; i < a1.items.size(); i++) {
+        if (a1.items[i].none)
+          list.push_back(std::nullopt);
+        else
+          list.push_back(rebuild_tensor(a1.items[i], a2.items[i], b1, b2, target));
+      }
       return list;
     }
     case Arg::Kind::Value:
@@ -267,17 +356,29 @@ std::string signature(const Op& op) {
                     std::to_string(op.grad_enabled) + std::to_string(op.autocast) +
                     std::to_string(static_cast<int>(op.autocast_dtype));
   std::function<void(const Arg&)> add = [&](const Arg& a) {
-    if (a.kind == Arg::Kind::Tensor) {
-      key += "|T" + std::to_string(static_cast<int>(a.dtype)) + std::to_string(a.requires_grad);
-      for (auto d : a.sizes) key += "," + std::to_string(d);
-    } else if (a.kind == Arg::Kind::TensorList) {
-      key += "|[";
-      for (const auto& item : a.items) add(item);
-      key += "]";
-    } else {
-      std::ostringstream text;
-      text << a.value;
-      key += "|" + text.str();
+    switch (a.kind) {
+      case Arg::Kind::Tensor:
+        key += "|T" + std::to_string(static_cast<int>(a.dtype)) + std::to_string(a.requires_grad);
+        for (size_t d = 0; d < a.sizes.size(); d++)
+          key += "," + std::to_string(a.sizes[d]) + (a.expanded[d] ? "e" : "") + ":" +
+                 std::to_string(a.order[d]);
+        break;
+      case Arg::Kind::TensorList:
+      case Arg::Kind::OptionalTensorList:
+        key += "|[";
+        for (const auto& item : a.items) {
+          if (item.none)
+            key += "|None";
+          else
+            add(item);
+        }
+        key += "]";
+        break;
+      case Arg::Kind::Value: {
+        std::ostringstream text;
+        text << a.value;
+        key += "|" + text.str();
+      }
     }
   };
   for (const auto& a : op.args) add(a);
@@ -296,13 +397,14 @@ int tchmem_ops_start(int with_cuda, int device_index, uint64_t* callback, char* 
   return tchmem::guarded(
       [&] {
         std::lock_guard<std::mutex> lock(mutex);
-        if (!handle) {
-          handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                             .needsInputs(true)
-                                             .scopes({at::RecordScope::FUNCTION}));
-        }
-        cuda = with_cuda != 0;
-        device = static_cast<c10::DeviceIndex>(device_index);
+        // A handle of an earlier recording may have been removed already (tchmem_ops_remove);
+        // removing it again is nothing to libtorch.
+        if (handle) at::removeCallback(*handle);
+        handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                           .needsInputs(true)
+                                           .scopes({at::RecordScope::FUNCTION}));
+        cuda.store(with_cuda != 0);
+        device.store(static_cast<c10::DeviceIndex>(device_index));
         current = Recording{};
         *callback = *handle;
         active.store(true);

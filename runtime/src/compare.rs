@@ -24,7 +24,7 @@ struct State {
     /// Where the watched models' variables were when the run began: the run's own model is the
     /// one that is not there.
     existing: std::collections::HashSet<usize>,
-    /// Whether the last step's operators are recorded (see [`begin_recording_ops`]).
+    /// Whether a step past the wanted ones is recorded (see [`begin_recording_ops`]).
     record_ops: bool,
     /// Whether a recording is on now.
     recording: bool,
@@ -85,9 +85,10 @@ pub fn begin(steps: usize) {
     start(steps, false)
 }
 
-/// [`begin`], and the last step's operators recorded with their bytes (CUDA only): a
-/// calibration trial of the memory estimate, which lines up two trials' operators and replays
-/// some at the batch it predicts (`tchmem::op_trace`).
+/// [`begin`], and one step more, past the `steps` timed ones, whose operators are recorded
+/// with their bytes (CUDA only; its time and loss are not the run's): a trial of the memory
+/// estimate, which lines up two trials' operators and replays some at the batch it predicts
+/// (`tchmem::op_trace`). A loop that ends before that step records nothing.
 pub fn begin_recording_ops(steps: usize) {
     start(steps, tch::Cuda::is_available())
 }
@@ -118,9 +119,6 @@ fn start(steps: usize, record_ops: bool) {
         record_ops,
         recording: false,
     });
-    if record_ops && steps <= 1 {
-        start_recording(state().as_mut());
-    }
 }
 
 /// Called by each phase marker, before it takes its own lock: during a run on CUDA, the
@@ -162,10 +160,16 @@ pub fn record_step(loss: &Tensor) -> bool {
     let Some(state) = guard.as_mut() else {
         return false;
     };
-    // The recorded step ends here: reading the loss is not the loop's.
+    // The recorded step, one past the steps wanted, ends here (reading the loss is not the
+    // loop's). Its memory is any step's and counts; its time and loss do not (the recording
+    // slows every operator).
     if state.recording {
         state.recording = false;
+        state.record_ops = false;
         state.run.ops = op_trace::stop().ok();
+        synchronize();
+        measure(state);
+        return true;
     }
     // The loss value waits for the step's kernels, so the time is the step's.
     let value = loss.double_value(&[]);
@@ -191,19 +195,14 @@ pub fn record_step(loss: &Tensor) -> bool {
     }
     // After every step, so that a loop with fewer steps than asked still has its numbers.
     measure(state);
-    // The last step's operators are recorded from here.
-    if state.record_ops && state.run.losses.len() + 1 == state.run.steps_wanted {
-        start_recording(Some(state));
-    }
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
-    done
-}
-
-fn start_recording(state: Option<&mut State>) {
-    if let Some(state) = state {
+    if done && state.record_ops {
+        // One step more, with its operators recorded.
         state.recording = op_trace::start().is_ok();
+        return !state.recording;
     }
+    done
 }
 
 /// The allocator's peaks since the run began and what a step leaves allocated, as of now.

@@ -138,11 +138,15 @@ pub(crate) fn take_carried() -> (u64, u64) {
     (allocated.max(0) as u64, reserved.max(0) as u64)
 }
 
-/// Runs `f` with its operators recorded.
+/// Runs `f` with its operators recorded (a panic in `f` stops the recording and goes on).
 pub fn record<T>(f: impl FnOnce() -> T) -> Result<(T, OpTrace)> {
     start()?;
-    let value = f();
-    Ok((value, stop()?))
+    let value = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    let trace = stop();
+    match value {
+        Ok(value) => Ok((value, trace?)),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
 }
 
 /// Runs operators `indices` of the recording `first` (made at batch `b1`; `second`, at `b2`,

@@ -94,6 +94,40 @@ fn a_training_step_is_recorded_operator_by_operator_and_replays_at_another_batch
         .map(|&i| &small.ops[i].name)
         .collect();
     assert!(failed.is_empty(), "not replayed: {failed:?}");
+    // Arguments as they lie in memory: a transposed matrix and an index list (Tensor?[]) are
+    // rebuilt as such; a slice with gaps is not rebuilt, and its operator keeps its line.
+    let views = |batch: i64| {
+        let a = Tensor::rand([batch, 6], (Kind::Float, Device::Cpu));
+        let w = Tensor::rand([5, 6], (Kind::Float, Device::Cpu));
+        let rows = Tensor::from_slice(&[0i64, 2]);
+        let ((), trace) = tchmem::op_trace::record(|| {
+            let _ = a.matmul(&w.tr());
+            let _ = a.index(&[Some(&rows)]);
+            let _ = a.narrow(1, 1, 3).contiguous();
+        })
+        .unwrap();
+        trace
+    };
+    let (small, large) = (views(4), views(8));
+    assert_eq!(
+        names(&small),
+        [
+            "aten::t",
+            "aten::matmul",
+            "aten::index.Tensor",
+            "aten::narrow",
+            "aten::contiguous"
+        ]
+    );
+    let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &[0, 1, 2, 3, 4]);
+    assert_eq!(
+        replayed.0.excess,
+        [Some(0), Some(0), Some(0), Some(0), None]
+    );
+    // A panic inside a recording stops it, and the next one records.
+    let panicked = std::panic::catch_unwind(|| tchmem::op_trace::record(|| panic!("in a step")));
+    assert!(panicked.is_err());
+    assert_eq!(names(&views(4)).len(), 5);
     // Recordings that do not line up are refused as a whole, with the reason.
     let unknown = tchmem::op_trace::replay(small.id, 9_999, (4, 8), 32, &indices);
     assert!(unknown.0.error.unwrap().contains("no operator recordings"));

@@ -241,6 +241,8 @@ impl Calibration {
         };
         let fb = forward_backward.value_at(micro as f64) + state_change + accumulated;
         let st = step.map_or(0.0, |l| l.value_at(micro as f64) + state_change);
+        // Per operator, the step is not split by phase: with micro-batches the gradients are
+        // added to its whole peak, which errs high by them when the optimizer's step is it.
         let by_operators = self.operators_peak(micro);
         let loop_peak = by_operators
             .map_or(fb.max(st), |(peak, ..)| peak + state_change + accumulated)
