@@ -65,6 +65,7 @@ fn main() {
             .file("csrc/oom_observer.cpp")
             .file("csrc/history.cpp")
             .file("csrc/memory_fraction.cpp")
+            .file("csrc/alloc_trace.cpp")
             .include(torch.join("include"))
             .include(torch.join("include/torch/csrc/api/include"))
             .include(cuda_include)

@@ -25,6 +25,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include "alloc_log.h"
 #include "error.h"
 
 #include <algorithm>
@@ -84,6 +85,9 @@ std::atomic<c10::DeviceIndex> device{0};
 int64_t carried_allocated = 0;
 int64_t carried_reserved = 0;
 std::atomic<bool> active{false};
+// The process's allocation log, when the recording is to mark it (CUDA): each top-level
+// operator's beginning and end.
+std::atomic<tchmem::AllocLog*> alloc_log{nullptr};
 thread_local int depth = 0;
 
 struct Context : at::ObserverContext {
@@ -210,6 +214,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     std::lock_guard<std::mutex> lock(mutex);
     context->index = current.ops.size();
     current.ops.push_back(std::move(op));
+    if (auto* log = alloc_log.load()) log->mark(static_cast<int64_t>(context->index));
   } catch (const std::exception&) {
     context->index = SIZE_MAX;
   }
@@ -222,6 +227,7 @@ void on_end(const at::RecordFunction&, at::ObserverContext* raw) {
   depth--;
   if (!context->top || !cuda) return;
   try {
+    if (auto* log = alloc_log.load()) log->mark(-1);
     auto now = counters(device);
     std::lock_guard<std::mutex> lock(mutex);
     if (context->index < current.ops.size()) {
@@ -309,7 +315,8 @@ c10::IValue rebuild(const Arg& a1, const Arg& a2, int64_t b1, int64_t b2, int64_
 // may make what a library creates once and keeps (cuBLAS's and cuBLASLt's workspaces for this
 // thread, cuDNN's handle), which the trial's step found made by the steps before it.
 int64_t replay_one(const Op& o1, const Op& o2, int64_t b1, int64_t b2, int64_t target,
-                   bool cuda, c10::DeviceIndex device) {
+                   bool cuda, c10::DeviceIndex device, tchmem::AllocLog* log,
+                   std::vector<int64_t>& sizes) {
   TORCH_CHECK(o1.replayable && o2.replayable && o1.name == o2.name &&
                   o1.args.size() == o2.args.size(),
               "the two recordings' operators differ");
@@ -345,8 +352,10 @@ int64_t replay_one(const Op& o1, const Op& o2, int64_t b1, int64_t b2, int64_t t
     at::autocast::clear_cache();
     int64_t start = counters(device).current;
     c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(device);
+    size_t from = log ? log->position() : 0;
     operation->callBoxed(stack);
     excess = std::max<int64_t>(0, counters(device).peak - start);
+    if (log) sizes = log->allocated_since(from);
   }
   return excess;
 }
@@ -391,8 +400,9 @@ extern "C" {
 
 // Starts recording the operators every thread calls; `with_cuda`: measure the CUDA allocator
 // of `device_index` (otherwise only names and arguments). `callback` gets the callback's
-// handle, for tchmem_ops_remove if the recording is never stopped.
-int tchmem_ops_start(int with_cuda, int device_index, uint64_t* callback, char* err,
+// handle, for tchmem_ops_remove if the recording is never stopped. `log` (an AllocLog, or null)
+// is marked where each top-level operator begins and ends.
+int tchmem_ops_start(int with_cuda, int device_index, void* log, uint64_t* callback, char* err,
                      size_t err_len) {
   return tchmem::guarded(
       [&] {
@@ -407,6 +417,7 @@ int tchmem_ops_start(int with_cuda, int device_index, uint64_t* callback, char* 
         device.store(static_cast<c10::DeviceIndex>(device_index));
         current = Recording{};
         *callback = *handle;
+        alloc_log.store(with_cuda != 0 ? static_cast<tchmem::AllocLog*>(log) : nullptr);
         active.store(true);
       },
       err, err_len);
@@ -418,6 +429,7 @@ int tchmem_ops_stop(void** recording, size_t* count, char* err, size_t err_len) 
   return tchmem::guarded(
       [&] {
         active.store(false);
+        alloc_log.store(nullptr);
         std::lock_guard<std::mutex> lock(mutex);
         if (handle) {
           at::removeCallback(*handle);
@@ -469,17 +481,22 @@ void tchmem_ops_take_carried(int64_t* allocated, int64_t* reserved) {
 // Runs operators `indices` of `first` (recorded at batch b1; `second`, at b2, tells which
 // dimensions grow with the batch) alone at batch `target`, on the CUDA allocator of
 // `device_index` when `with_cuda`; `excess[i]` gets each one's excess, or -1 when it could not
-// run (the estimate then keeps the operator's line). Operators with the same arguments run
-// once.
+// run (the estimate then keeps the operator's line). With `log` (an AllocLog, on CUDA), `sizes`
+// gets, for each i, what the operator allocated while it ran. Operators with the same arguments
+// run once.
 int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t b2,
                       int64_t target, const size_t* indices, size_t count, int with_cuda,
-                      int device_index, int64_t* excess, char* err, size_t err_len) {
-  return tchmem::guarded(
+                      int device_index, int64_t* excess, void* log, void* context,
+                      void (*sizes)(void* context, size_t i, const int64_t* bytes, size_t n),
+                      char* err, size_t err_len) {
+  auto* allocations = with_cuda != 0 ? static_cast<tchmem::AllocLog*>(log) : nullptr;
+  if (allocations) allocations->start({}, device_index);
+  int status = tchmem::guarded(
       [&] {
         const auto* r1 = static_cast<const Recording*>(first);
         const auto* r2 = static_cast<const Recording*>(second);
         auto on = static_cast<c10::DeviceIndex>(device_index);
-        std::map<std::string, int64_t> done;
+        std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> done;
         for (size_t i = 0; i < count; i++) {
           size_t k = indices[i];
           TORCH_CHECK(k < r1->ops.size() && k < r2->ops.size(), "no operator ", k);
@@ -487,22 +504,26 @@ int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t
           const Op& o2 = r2->ops[k];
           std::string key = signature(o1) + "/" + signature(o2);
           auto found = done.find(key);
-          if (found != done.end()) {
-            excess[i] = found->second;
-            continue;
+          if (found == done.end()) {
+            int64_t value = -1;
+            std::vector<int64_t> allocated;
+            try {
+              value = replay_one(o1, o2, b1, b2, target, with_cuda != 0, on, allocations,
+                                 allocated);
+            } catch (const std::exception&) {
+              value = -1;
+              allocated.clear();
+            }
+            if (with_cuda != 0) c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+            found = done.emplace(key, std::make_pair(value, std::move(allocated))).first;
           }
-          int64_t value = -1;
-          try {
-            value = replay_one(o1, o2, b1, b2, target, with_cuda != 0, on);
-          } catch (const std::exception&) {
-            value = -1;
-          }
-          if (with_cuda != 0) c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
-          done[key] = value;
-          excess[i] = value;
+          excess[i] = found->second.first;
+          if (allocations) sizes(context, i, found->second.second.data(), found->second.second.size());
         }
       },
       err, err_len);
+  if (allocations) allocations->stop();
+  return status;
 }
 
 }  // extern "C"

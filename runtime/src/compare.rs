@@ -14,7 +14,7 @@ use tch::Tensor;
 use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
 use crate::cuda_stats::{self, DEVICE};
-use crate::{estimate, op_trace, record};
+use crate::{alloc_trace, estimate, op_trace, record};
 
 struct State {
     run: CompareRun,
@@ -28,6 +28,9 @@ struct State {
     record_ops: bool,
     /// Whether a recording is on now.
     recording: bool,
+    /// While the allocator's events are logged (from the beginning of a run that records its
+    /// operators on CUDA to the end of the recorded step): the segments held at the beginning.
+    alloc_segments: Option<Vec<tchmem_wire::alloc_trace::Segment>>,
 }
 
 /// The part of a training step between two phase markers.
@@ -101,6 +104,15 @@ fn start(steps: usize, record_ops: bool) {
     let allocated_at_begin = cuda_stats::device_stats(DEVICE)
         .ok()
         .map(|stats| stats.current.allocated);
+    // Dropping an earlier run's unfinished log first.
+    if let Some(segments) = state().as_mut().and_then(|s| s.alloc_segments.take()) {
+        alloc_trace::stop(segments);
+    }
+    let alloc_segments = if record_ops {
+        alloc_trace::start()
+    } else {
+        None
+    };
     *state() = Some(State {
         run: CompareRun {
             steps_wanted: steps,
@@ -118,6 +130,7 @@ fn start(steps: usize, record_ops: bool) {
         existing: &estimate::watched_addresses() - &crate::keep::kept_addresses(),
         record_ops,
         recording: false,
+        alloc_segments,
     });
 }
 
@@ -167,6 +180,7 @@ pub fn record_step(loss: &Tensor) -> bool {
         state.recording = false;
         state.record_ops = false;
         state.run.ops = op_trace::stop().ok();
+        state.run.allocations = state.alloc_segments.take().map(alloc_trace::stop);
         synchronize();
         measure(state);
         return true;
@@ -230,6 +244,9 @@ pub fn finish() -> Finished {
         // The loop stopped before the recorded step's end.
         let _ = op_trace::stop();
         state.recording = false;
+    }
+    if let Some(segments) = state.as_mut().and_then(|s| s.alloc_segments.take()) {
+        alloc_trace::stop(segments);
     }
     Finished(state.map(|s| s.run).unwrap_or_default())
 }

@@ -39,3 +39,17 @@ pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".into())
 }
+
+/// The `len` items at `data`, as a slice; empty when `len` is 0, where C++'s `vector::data()`
+/// may be null (which `slice::from_raw_parts` must never get).
+///
+/// # Safety
+/// When `len` > 0, `data` points to `len` initialised items that outlive the slice.
+pub(crate) unsafe fn slice<'a, T>(data: *const T, len: usize) -> &'a [T] {
+    if len == 0 || data.is_null() {
+        &[]
+    } else {
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts(data, len) }
+    }
+}

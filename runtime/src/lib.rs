@@ -4,6 +4,7 @@
 //! `:dep` line. This is the only part of tchmem that links libtorch.
 
 pub mod accumulate;
+mod alloc_trace;
 pub mod amp;
 pub mod boxed;
 mod categories;

@@ -19,6 +19,7 @@ extern "C" {
     fn tchmem_ops_start(
         cuda: c_int,
         device: c_int,
+        log: *mut c_void,
         callback: *mut u64,
         err: *mut c_char,
         err_len: usize,
@@ -53,6 +54,9 @@ extern "C" {
         cuda: c_int,
         device: c_int,
         excess: *mut i64,
+        log: *mut c_void,
+        context: *mut c_void,
+        sizes: extern "C" fn(*mut c_void, usize, *const i64, usize),
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
@@ -64,8 +68,13 @@ pub(crate) fn start() -> Result<()> {
     abandon();
     let cuda = tch::Cuda::is_available();
     let mut callback = 0u64;
-    // SAFETY: plain arguments, an out-pointer to a local and the error buffer.
-    call(|e, n| unsafe { tchmem_ops_start(cuda as c_int, DEVICE as c_int, &mut callback, e, n) })?;
+    // Each operator's beginning and end marked in the allocator's events, when they are logged.
+    let log = crate::alloc_trace::log();
+    // SAFETY: plain arguments, the process's log (or null), an out-pointer to a local and the
+    // error buffer.
+    call(|e, n| unsafe {
+        tchmem_ops_start(cuda as c_int, DEVICE as c_int, log, &mut callback, e, n)
+    })?;
     state::lock(&state::shared().op_recordings).recording = Some(callback);
     Ok(())
 }
@@ -151,8 +160,8 @@ pub fn record<T>(f: impl FnOnce() -> T) -> Result<(T, OpTrace)> {
 
 /// Runs operators `indices` of the recording `first` (made at batch `b1`; `second`, at `b2`,
 /// tells which dimensions grow with the batch) alone at batch `target`, and measures what each
-/// allocated above what was there when it began (0 each without CUDA: they only run). A
-/// failure as a whole is in the answer's `error`.
+/// allocated above what was there when it began (0 each without CUDA: they only run) and the
+/// sizes it allocated. A failure as a whole is in the answer's `error`.
 pub fn replay(
     first: u64,
     second: u64,
@@ -161,12 +170,10 @@ pub fn replay(
     indices: &[usize],
 ) -> Replayed {
     match replay_all(first, second, (b1, b2), target, indices) {
-        Ok(excess) => Replayed(OpReplay {
-            excess,
-            error: None,
-        }),
+        Ok(answer) => Replayed(answer),
         Err(error) => Replayed(OpReplay {
             excess: vec![None; indices.len()],
+            allocations: Vec::new(),
             error: Some(error.to_string()),
         }),
     }
@@ -178,7 +185,19 @@ fn replay_all(
     (b1, b2): (u64, u64),
     target: u64,
     indices: &[usize],
-) -> Result<Vec<Option<u64>>> {
+) -> Result<OpReplay> {
+    extern "C" fn sizes(context: *mut c_void, i: usize, bytes: *const i64, n: usize) {
+        // SAFETY: `context` is the Vec below, of one item per index; `bytes` holds `n` items.
+        unsafe {
+            let out = &mut *(context as *mut Vec<Vec<u64>>);
+            if let Some(slot) = out.get_mut(i) {
+                *slot = crate::ffi::slice(bytes, n)
+                    .iter()
+                    .map(|&b| b.max(0) as u64)
+                    .collect();
+            }
+        }
+    }
     // Held while the operators run: no recording is dropped meanwhile (they record nothing).
     let kept = state::lock(&state::shared().op_recordings);
     let find = |id: u64| kept.kept.iter().find(|(k, _)| *k == id).map(|(_, r)| *r);
@@ -186,9 +205,12 @@ fn replay_all(
         return Err(crate::error::RuntimeError::NoOpRecording(first, second));
     };
     let mut excess = vec![-1i64; indices.len()];
+    let mut allocations: Vec<Vec<u64>> = vec![Vec::new(); indices.len()];
     let cuda = tch::Cuda::is_available();
+    let log = crate::alloc_trace::log();
+    let context = &mut allocations as *mut Vec<Vec<u64>> as *mut c_void;
     // SAFETY: two live recordings, `indices` and `excess` of `indices.len()` elements, the
-    // error buffer.
+    // process's log (or null), the Vec above for the callback, the error buffer.
     call(|e, n| unsafe {
         tchmem_ops_replay(
             r1 as *const c_void,
@@ -201,14 +223,22 @@ fn replay_all(
             cuda as c_int,
             DEVICE as c_int,
             excess.as_mut_ptr(),
+            log,
+            context,
+            sizes,
             e,
             n,
         )
     })?;
-    Ok(excess
+    let excess = excess
         .into_iter()
         .map(|bytes| (bytes >= 0).then_some(bytes as u64))
-        .collect())
+        .collect();
+    Ok(OpReplay {
+        excess,
+        allocations,
+        error: None,
+    })
 }
 
 /// A replay's measurements, shown to the kernel as [`OP_REPLAY_MIME`].

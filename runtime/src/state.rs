@@ -122,6 +122,8 @@ pub struct Shared {
     pub timeline: Mutex<Option<Recording>>,
     /// Operator recordings kept for a replay (see op_trace.rs).
     pub op_recordings: Mutex<OpRecordings>,
+    /// The address of the process's allocation log, 0 before it is made (see alloc_trace.rs).
+    pub alloc_log: Mutex<usize>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -159,6 +161,7 @@ pub fn shared() -> &'static Shared {
                 oom_events: Mutex::new(Vec::new()),
                 timeline: Mutex::new(None),
                 op_recordings: Mutex::new(OpRecordings::default()),
+                alloc_log: Mutex::new(0),
             }))
         };
         let Some(slot) = child_slot() else {

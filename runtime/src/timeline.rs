@@ -78,7 +78,7 @@ mod history {
         // SAFETY: `context` is the `Vec<u8>` passed below; `data` holds `len` bytes.
         unsafe {
             let out = &mut *(context as *mut Vec<u8>);
-            out.extend_from_slice(std::slice::from_raw_parts(data.cast::<u8>(), len));
+            out.extend_from_slice(crate::ffi::slice(data.cast::<u8>(), len));
         }
     }
 

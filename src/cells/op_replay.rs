@@ -46,6 +46,16 @@ impl<R: Runner> Cells<R> {
             .zip(answer.excess)
             .filter_map(|(&i, bytes)| Some((i, bytes?)))
             .collect();
-        calibration.replayed = Some(Replayed { micro, excess });
+        let allocations = indices
+            .iter()
+            .zip(answer.allocations)
+            .filter(|(_, sizes)| !sizes.is_empty())
+            .map(|(&i, sizes)| (i, sizes))
+            .collect();
+        calibration.replayed = Some(Replayed {
+            micro,
+            excess,
+            allocations,
+        });
     }
 }

@@ -534,10 +534,11 @@ fn recording_gpu(replay: Option<u64>) -> impl FnMut(&str) -> CellOutcome {
             let answer = match replay {
                 Some(workspace) => OpReplay {
                     excess: vec![Some(32 * 64 * MIB), Some(workspace)],
-                    error: None,
+                    ..OpReplay::default()
                 },
                 None => OpReplay {
                     excess: vec![None, None],
+                    allocations: Vec::new(),
                     error: Some("no operator recordings 16, 32".into()),
                 },
             };

@@ -6,12 +6,15 @@
 //! (activations, the batch itself, temporaries) is a line through the two trials' peaks above
 //! what the notebook held when they began, for the forward + backward phase and for the
 //! optimizer step apart (the step's peak barely grows with the batch, and at small batches it
-//! can be the larger one). The allocator's cache on top is scaled from the larger trial.
+//! can be the larger one). The allocator's cache on top comes from its rules applied to the
+//! trials' requests on their lines (`reserved`), or, where the trials logged no requests or
+//! these do not line up, is scaled from the larger trial.
 
 use tchmem_wire::estimate::{tensor_bytes, OptimizerRule, ParamShape};
 use tchmem_wire::memory::{Category, CategoryName};
 
 use super::op_peak::{OpLines, Replayed};
+use super::reserved::ReservedLines;
 use super::trial::Measured;
 
 /// Bytes that do not depend on the batch.
@@ -248,9 +251,27 @@ impl Calibration {
             .map_or(fb.max(st), |(peak, ..)| peak + state_change + accumulated)
             .max(target.total() as f64)
             .round() as u64;
-        let cache = self.cache(loop_peak);
         let (seconds, step_time) = self.step_time(micro, accumulate);
         let peak_allocated = scenario.begin + loop_peak;
+        // The trials' allocator events replayed at `micro` where they line up (a loop that
+        // accumulates runs other requests than its trials did); else the cache's share.
+        let simulated = (accumulate == 1)
+            .then(|| ReservedLines::of(&self.points))
+            .flatten()
+            .map(|lines| {
+                lines
+                    .peak_reserved(micro, self.replayed.as_ref())
+                    .saturating_sub(peak_allocated)
+            });
+        let cache = simulated.map_or_else(
+            || self.cache(loop_peak),
+            |bytes| Cache {
+                point: bytes as f64,
+                low: bytes as f64,
+                high: bytes as f64,
+                simulated: true,
+            },
+        );
         let categories = vec![
             category(
                 CategoryName::Parameters,
@@ -301,7 +322,10 @@ impl Calibration {
                 CategoryName::Fragmentation,
                 cache.point.round() as u64,
                 false,
-                if cache.spread(peak_allocated).is_some() {
+                if cache.simulated {
+                    "the allocator's rules applied to the calibration trials' requests, each on \
+                     its line to this batch (the heaviest operators' as they ran alone here)"
+                } else if cache.spread(peak_allocated).is_some() {
                     "the allocator's cache, scaled from the larger calibration trial (the other \
                      trial's, scaled alike, differs by over half: peak reserved is a range)"
                 } else {
@@ -399,6 +423,7 @@ impl Calibration {
             point,
             low: scaled.iter().copied().fold(point, f64::min),
             high: scaled.iter().copied().fold(point, f64::max),
+            simulated: false,
         }
     }
 }
@@ -408,6 +433,8 @@ struct Cache {
     point: f64,
     low: f64,
     high: f64,
+    /// From the allocator's rules applied to the trials' requests (no range).
+    simulated: bool,
 }
 
 impl Cache {
@@ -473,6 +500,7 @@ pub(crate) mod tests {
             losses: vec![1.0, 0.9, 0.8],
             parameters: shapes(),
             ops: None,
+            allocations: None,
         }
     }
 

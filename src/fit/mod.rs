@@ -5,14 +5,18 @@
 //! steps at a chosen batch size, under chosen rewrites). [`trial`] holds what one trial
 //! measured; [`estimate`] predicts a configuration's peak from exact fixed terms (parameters,
 //! gradients, the optimizer's state by its rule) and a slope calibrated on two small trials,
-//! refined per operator by [`op_peak`] where the trials recorded their operators;
+//! refined per operator by [`op_peak`] where the trials recorded their operators, and the
+//! reserved bytes by [`reserved`]: the trials' allocator events on their lines, through a
+//! model of the allocator ([`allocator`]);
 //! [`search`] finds the largest batch that fits by trials; [`candidates`] ranks the rewrites'
 //! combinations for `--fit`; [`diagnosis`] explains an OOM with ranked fixes.
 
+pub mod allocator;
 pub mod candidates;
 pub mod diagnosis;
 pub mod estimate;
 pub mod op_peak;
+pub mod reserved;
 pub mod search;
 pub mod trial;
 

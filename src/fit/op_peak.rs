@@ -29,6 +29,8 @@ pub struct Replayed {
     pub micro: u64,
     /// Excess by operator index; operators that could not run are absent (their line holds).
     pub excess: HashMap<usize, u64>,
+    /// The sizes each requested from the allocator while it ran, by operator index (CUDA).
+    pub allocations: HashMap<usize, Vec<u64>>,
 }
 
 /// Two calibration trials whose operators line up.
@@ -196,6 +198,7 @@ mod tests {
         let replayed = Replayed {
             micro: 32,
             excess: HashMap::from([(2, 36 * MIB)]),
+            ..Replayed::default()
         };
         assert_eq!(
             lines.peak(32, Some(&replayed)),

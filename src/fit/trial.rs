@@ -1,6 +1,9 @@
 //! One trial: the training cell run for a few optimizer steps at one batch size under one set of
 //! rewrites, and what it measured.
 
+use std::sync::Arc;
+
+use tchmem_wire::alloc_trace::AllocTrace;
 use tchmem_wire::compare::CompareRun;
 use tchmem_wire::estimate::ParamShape;
 use tchmem_wire::op_trace::OpTrace;
@@ -34,6 +37,10 @@ pub struct Measured {
     pub parameters: Vec<ParamShape>,
     /// The last step's operators and their bytes, when the trial recorded them (CUDA).
     pub ops: Option<OpTrace>,
+    /// The allocator's events from the trial's beginning to the end of its recorded step,
+    /// when it recorded its operators (CUDA). Shared: calibrations copy their points, and a
+    /// trace holds thousands of events.
+    pub allocations: Option<Arc<AllocTrace>>,
 }
 
 impl Measured {
@@ -52,6 +59,7 @@ impl Measured {
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
             ops: run.ops.clone(),
+            allocations: run.allocations.clone().map(Arc::new),
         })
     }
 }

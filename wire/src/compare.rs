@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::alloc_trace::AllocTrace;
 use crate::estimate::ParamShape;
 use crate::memory::MemoryRecord;
 use crate::op_trace::OpTrace;
@@ -44,6 +45,10 @@ pub struct CompareRun {
     /// The operators of the last step, when the run recorded them (calibration trials on CUDA).
     #[serde(default)]
     pub ops: Option<OpTrace>,
+    /// The allocator's events from the run's beginning to the end of its recorded step, when it
+    /// recorded operators on CUDA.
+    #[serde(default)]
+    pub allocations: Option<AllocTrace>,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.

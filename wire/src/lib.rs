@@ -5,6 +5,7 @@
 //! separately (cells are compiled at run time), so the formats live here, in one small crate
 //! they all depend on.
 
+pub mod alloc_trace;
 pub mod compare;
 pub mod estimate;
 pub mod memory;

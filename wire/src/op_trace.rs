@@ -34,6 +34,10 @@ pub struct OpCost {
 pub struct OpReplay {
     /// In the order asked for.
     pub excess: Vec<Option<u64>>,
+    /// In the same order, the sizes each one allocated while it ran, as requested (empty
+    /// without CUDA or for one that could not run).
+    #[serde(default)]
+    pub allocations: Vec<Vec<u64>>,
     /// Why none ran, when the replay failed as a whole.
     #[serde(default)]
     pub error: Option<String>,

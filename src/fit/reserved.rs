@@ -1,0 +1,519 @@
+//! The peak reserved memory at a batch, from two calibration trials' allocator events: each
+//! allocation on its line through the two trials, replayed through the allocator's rules
+//! ([`super::allocator`]).
+//!
+//! What the allocator reserves above what is allocated is not a share of the peak: it depends on
+//! which blocks were free, and how large, when each request came (on the H200 a GRU's cache over
+//! its peak was 113, 426, 109 and 805 MiB at batch 32, 64, 128 and 256). So the estimate takes
+//! the allocator's own events of both trials (every alloc and free, from their beginning to the
+//! end of the recorded step), lines them up — the same loop makes the same requests in the same
+//! order, each freed as many requests later, whatever the batch — and puts each request of the
+//! larger trial on its line to the target batch. A workspace cuDNN sizes per algorithm is on no
+//! line: where an operator was replayed alone at the target (`op_peak`), its requests take the
+//! sizes it made there. Requests of one trial that the other did not make grow in proportion to
+//! the batch.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
+use tchmem_wire::alloc_trace::{AllocEvent, AllocTrace};
+
+use super::allocator;
+use super::op_peak::Replayed;
+use super::trial::Measured;
+
+/// Below this share of the larger trial's requests lined up, the trials are not the same loop
+/// enough for the allocator's replay.
+pub const MIN_ALIGNED: f64 = 0.9;
+/// Lifetimes (in requests until the free) are compared up to this; longer ones are alike.
+const LIFETIME_CAP: u32 = 50;
+/// A request never freed within the trace.
+const NEVER_FREED: u32 = u32::MAX;
+/// Lining up gives up after this (the trials then keep the cache's share).
+const ALIGN_DEADLINE: Duration = Duration::from_secs(2);
+
+/// One trial's requests.
+#[derive(Debug)]
+struct Requests<'a> {
+    batch: u64,
+    trace: &'a AllocTrace,
+    /// Each request's size, in order.
+    sizes: Vec<u64>,
+    /// Each request's lifetime, capped: what lines the trials up.
+    lifetimes: Vec<u32>,
+    /// For each event, the requests before it.
+    requests_before: Vec<usize>,
+}
+
+impl<'a> Requests<'a> {
+    fn of(batch: u64, trace: &'a AllocTrace) -> Requests<'a> {
+        let held = trace.blocks_in_use_at_begin();
+        let mut sizes = Vec::new();
+        let mut lifetimes = Vec::new();
+        let mut requests_before = Vec::with_capacity(trace.events.len() + 1);
+        for event in trace.decoded() {
+            requests_before.push(sizes.len());
+            match event {
+                AllocEvent::Alloc(bytes) => {
+                    sizes.push(bytes);
+                    lifetimes.push(NEVER_FREED);
+                }
+                AllocEvent::Free(k) if k >= held => {
+                    if let Some(life) = lifetimes.get_mut(k - held) {
+                        *life = ((sizes.len() - (k - held)) as u32).min(LIFETIME_CAP);
+                    }
+                }
+                AllocEvent::Free(_) => {}
+            }
+        }
+        requests_before.push(sizes.len());
+        Requests {
+            batch,
+            trace,
+            sizes,
+            lifetimes,
+            requests_before,
+        }
+    }
+
+    /// The requests operator `op` of the recorded step made (between its marks).
+    fn of_operator(&self, op: usize) -> Option<std::ops::Range<usize>> {
+        let marks = &self.trace.marks;
+        let at = marks.iter().position(|&(k, _)| k == op as i64)?;
+        let begin = marks[at].1;
+        let end = marks.get(at + 1).map_or(self.trace.events.len(), |m| m.1);
+        let count = |event: usize| self.requests_before[event.min(self.requests_before.len() - 1)];
+        Some(count(begin)..count(end))
+    }
+}
+
+/// Two calibration trials whose allocator events line up.
+#[derive(Debug)]
+pub struct ReservedLines<'a> {
+    small: Requests<'a>,
+    large: Requests<'a>,
+    /// For each request of the larger trial, the smaller trial's request it lines up with.
+    pairs: Vec<Option<usize>>,
+}
+
+impl<'a> ReservedLines<'a> {
+    /// The last two points that logged their allocator events, if these line up.
+    pub fn of(points: &'a [(u64, Measured)]) -> Option<ReservedLines<'a>> {
+        let logged: Vec<(u64, &AllocTrace)> = points
+            .iter()
+            .filter_map(|(b, m)| Some((*b, m.allocations.as_deref()?)))
+            .filter(|(_, t)| !t.events.is_empty())
+            .collect();
+        let [.., (b1, t1), (b2, t2)] = logged.as_slice() else {
+            return None;
+        };
+        if b1 >= b2 {
+            return None;
+        }
+        let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
+        let pairs = align(&small.lifetimes, &large.lifetimes)?;
+        let lines = ReservedLines {
+            small,
+            large,
+            pairs,
+        };
+        if lines.aligned_share() < MIN_ALIGNED {
+            tracing::debug!(
+                "the trials' requests do not line up ({:.1}%): the cache's share",
+                100.0 * lines.aligned_share()
+            );
+            return None;
+        }
+        Some(lines)
+    }
+
+    /// The share of the larger trial's requests lined up with the smaller's.
+    pub fn aligned_share(&self) -> f64 {
+        let aligned = self.pairs.iter().filter(|p| p.is_some()).count();
+        aligned as f64 / self.pairs.len().max(1) as f64
+    }
+
+    /// Request `j` of the larger trial on its line to `micro` (in proportion to the batch when
+    /// the smaller trial did not make it).
+    fn line_size(&self, j: usize, micro: u64) -> u64 {
+        let (b1, b2, at) = (
+            self.small.batch as f64,
+            self.large.batch as f64,
+            micro as f64,
+        );
+        let s2 = self.large.sizes[j] as f64;
+        let size = match self.pairs[j] {
+            Some(i) => {
+                let s1 = self.small.sizes[i] as f64;
+                s1 + (s2 - s1) * (at - b1) / (b2 - b1)
+            }
+            None => s2 * at / b2,
+        };
+        size.round().max(1.0) as u64
+    }
+
+    /// What lines request `j` up with its twin in the other steps: both trials' sizes and its
+    /// lifetime.
+    fn key(&self, j: usize) -> Option<(u64, u64, u32)> {
+        let i = self.pairs[j]?;
+        Some((
+            self.small.sizes[i],
+            self.large.sizes[j],
+            self.small.lifetimes[i],
+        ))
+    }
+
+    /// The larger trial's requests at `micro`.
+    fn sizes_at(&self, micro: u64, replayed: Option<&Replayed>) -> Vec<u64> {
+        let measured = self.replayed_sizes(micro, replayed);
+        (0..self.large.sizes.len())
+            .map(|j| {
+                self.key(j)
+                    .and_then(|key| measured.get(&key).copied())
+                    .unwrap_or_else(|| self.line_size(j, micro))
+            })
+            .collect()
+    }
+
+    /// Sizes the replayed operators requested at `micro`, by the key of the larger trial's
+    /// request they stand for (see [`matched`]). The same key elsewhere (the same operator in
+    /// the steps before) is the same request.
+    fn replayed_sizes(
+        &self,
+        micro: u64,
+        replayed: Option<&Replayed>,
+    ) -> HashMap<(u64, u64, u32), u64> {
+        let mut measured = HashMap::new();
+        let Some(replayed) = replayed.filter(|r| r.micro == micro) else {
+            return measured;
+        };
+        for (&op, sizes) in &replayed.allocations {
+            let Some(range) = self.large.of_operator(op) else {
+                continue;
+            };
+            let lines: Vec<u64> = range.clone().map(|j| self.line_size(j, micro)).collect();
+            for (j, size) in range.zip(matched(&lines, sizes)) {
+                if let Some(key) = self.key(j) {
+                    measured.insert(key, size);
+                }
+            }
+        }
+        measured
+    }
+
+    /// The peak reserved bytes at `micro`: the larger trial's events at the sizes predicted
+    /// there, from the segments it began with.
+    pub fn peak_reserved(&self, micro: u64, replayed: Option<&Replayed>) -> u64 {
+        let sizes = self.sizes_at(micro, replayed);
+        tracing::debug!(
+            "reserved at {micro}: {} and {} requests, {:.1}% lined up, {} keys from the replay",
+            self.small.sizes.len(),
+            self.large.sizes.len(),
+            100.0 * self.aligned_share(),
+            self.replayed_sizes(micro, replayed).len()
+        );
+        let mut request = 0;
+        let events = self.large.trace.decoded().map(|event| match event {
+            AllocEvent::Alloc(_) => {
+                request += 1;
+                AllocEvent::Alloc(sizes[request - 1])
+            }
+            free => free,
+        });
+        allocator::peak_reserved(&self.large.trace.segments, events)
+    }
+}
+
+/// The sizes an operator's requests in a trial's step (predicted on their lines: `lines`) take
+/// when it ran alone at the target (`replayed`). As many requests: one for one. Otherwise the
+/// requests on their lines (outputs) find the replay's request of that size, in order, and the
+/// rest (workspaces cuDNN sized for another algorithm) take the replay's others in order; a
+/// request left over was not made at the target (0 bytes).
+fn matched(lines: &[u64], replayed: &[u64]) -> Vec<u64> {
+    if lines.len() == replayed.len() {
+        return replayed.to_vec();
+    }
+    let close = |a: u64, b: u64| a.abs_diff(b) <= a.max(b) / 50 + 4096;
+    let mut used = vec![false; replayed.len()];
+    let mut next = 0;
+    let on_line: Vec<Option<u64>> = lines
+        .iter()
+        .map(|&line| {
+            let r = (next..replayed.len()).find(|&r| !used[r] && close(replayed[r], line))?;
+            used[r] = true;
+            next = r + 1;
+            Some(replayed[r])
+        })
+        .collect();
+    let mut rest = (0..replayed.len())
+        .filter(|&r| !used[r])
+        .map(|r| replayed[r])
+        .collect::<Vec<_>>()
+        .into_iter();
+    on_line
+        .into_iter()
+        .map(|size| size.or_else(|| rest.next()).unwrap_or(0))
+        .collect()
+}
+
+/// Lines up two request sequences by their lifetimes (a minimal edit script; replaced runs of
+/// equal length pair one for one): for each of `large`'s, the index in `small`. `None` when
+/// the diff ran past its deadline.
+fn align(small: &[u32], large: &[u32]) -> Option<Vec<Option<usize>>> {
+    let deadline = Instant::now() + ALIGN_DEADLINE;
+    let ops = capture_diff_slices_deadline(Algorithm::Myers, small, large, Some(deadline));
+    if Instant::now() > deadline {
+        return None;
+    }
+    let mut pairs = vec![None; large.len()];
+    for op in ops {
+        match op {
+            DiffOp::Equal {
+                old_index,
+                new_index,
+                len,
+            } => {
+                for k in 0..len {
+                    pairs[new_index + k] = Some(old_index + k);
+                }
+            }
+            DiffOp::Replace {
+                old_index,
+                old_len,
+                new_index,
+                new_len,
+            } if old_len == new_len => {
+                for k in 0..new_len {
+                    pairs[new_index + k] = Some(old_index + k);
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tchmem_wire::alloc_trace::Segment;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A trial recorded on the H200 (`results/gpu/2026-12-03-reserved/`).
+    #[derive(serde::Deserialize)]
+    struct Recorded {
+        batch: u64,
+        begin_allocated: u64,
+        peak_allocated: u64,
+        peak_reserved: u64,
+        trace: AllocTrace,
+    }
+
+    fn recorded(name: &str) -> Recorded {
+        let path = format!(
+            "{}/results/gpu/2026-12-03-reserved/traces/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        serde_json::from_str(&text).unwrap()
+    }
+
+    fn point(r: &Recorded) -> (u64, Measured) {
+        let measured = Measured {
+            cuda: true,
+            begin: r.begin_allocated,
+            peak_allocated: r.peak_allocated,
+            peak_reserved: r.peak_reserved,
+            step_seconds: 0.01,
+            step_range: (0.01, 0.01),
+            allocations: Some(r.trace.clone().into()),
+            ..Measured::default()
+        };
+        (r.batch, measured)
+    }
+
+    fn error(predicted: u64, measured: u64) -> f64 {
+        predicted as f64 / measured as f64 - 1.0
+    }
+
+    #[test]
+    fn the_allocator_model_gives_each_h200_trials_peak_reserved() {
+        let dir = format!(
+            "{}/results/gpu/2026-12-03-reserved/traces",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                e.unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .replace(".json", "")
+            })
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 28, "{names:?}");
+        for name in names {
+            let r = recorded(&name);
+            let simulated = allocator::peak_reserved(&r.trace.segments, r.trace.decoded());
+            let e = error(simulated, r.peak_reserved);
+            assert!(
+                e.abs() < 0.015,
+                "{name}: {simulated} vs {} ({e:+.3})",
+                r.peak_reserved
+            );
+        }
+    }
+
+    #[test]
+    fn a_grus_reserved_peak_follows_from_trials_at_a_quarter_and_a_half() {
+        // The cache over the peak is 113, 426 and 109 MiB at 32, 64 and 128 (the share of the
+        // peak no guide): the allocator's rules on the requests' lines get it.
+        for amp in ["", "-bf16"] {
+            for target in [64, 128, 256] {
+                let small = recorded(&format!("gru{amp}-{}", target / 4));
+                let large = recorded(&format!("gru{amp}-{}", target / 2));
+                let truth = recorded(&format!("gru{amp}-{target}"));
+                let points = [point(&small), point(&large)];
+                let lines = ReservedLines::of(&points).expect("the trials line up");
+                assert_eq!(lines.aligned_share(), 1.0);
+                let predicted = lines.peak_reserved(target, None);
+                let e = error(predicted, truth.peak_reserved);
+                assert!(e.abs() < 0.01, "gru{amp} at {target}: {e:+.3}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_estimate_takes_its_reserved_peak_from_the_allocators_rules() {
+        use crate::fit::estimate::{Calibration, Scenario};
+        use tchmem_wire::estimate::OptimizerRule;
+        let truth = recorded("gru-128");
+        let calibration = Calibration {
+            points: vec![point(&recorded("gru-32")), point(&recorded("gru-64"))],
+            rule: OptimizerRule::Adam,
+            gradients_in_backward: false,
+            replayed: None,
+        };
+        let scenario = Scenario {
+            batch: 128,
+            accumulate: 1,
+            rule: OptimizerRule::Adam,
+            begin: truth.begin_allocated,
+        };
+        let prediction = calibration.predict(&scenario).unwrap();
+        let e = error(prediction.peak_reserved, truth.peak_reserved);
+        assert!(e.abs() < 0.01, "{e:+.3}");
+        assert_eq!(prediction.reserved_spread, None);
+        let cache = prediction.categories.last().unwrap();
+        assert!(cache.how.contains("allocator's rules"), "{}", cache.how);
+        // A loop that accumulates makes other requests than its trials: the cache's share.
+        let accumulating = calibration
+            .predict(&Scenario {
+                accumulate: 2,
+                ..scenario
+            })
+            .unwrap();
+        let cache = accumulating.categories.last().unwrap();
+        assert!(cache.how.contains("scaled"), "{}", cache.how);
+    }
+
+    /// A step of a conv net at `batch` with its operators marked: the batch (1 MiB a sample),
+    /// a convolution's output and a workspace freed at once (`workspace` MiB), then the
+    /// activations freed.
+    fn conv_step(batch: u64, workspace: u64) -> AllocTrace {
+        let events = vec![
+            (batch * MIB) as i64,     // 0: the batch
+            (2 * batch * MIB) as i64, // 1: conv output (op 0)
+            (workspace * MIB) as i64, // 2: its workspace (op 0)
+            -3,                       // workspace freed (op 0)
+            (4 * batch * MIB) as i64, // 3: backward's output (op 1)
+            -2,
+            -4,
+            -1,
+        ];
+        AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(20 * MIB, false)],
+            }],
+            events,
+            marks: vec![(0, 1), (-1, 4), (1, 4), (-1, 5)],
+        }
+    }
+
+    #[test]
+    fn a_replayed_operators_requests_replace_their_line() {
+        let trial = |batch, workspace| {
+            let measured = Measured {
+                cuda: true,
+                allocations: Some(conv_step(batch, workspace).into()),
+                ..Measured::default()
+            };
+            (batch, measured)
+        };
+        // cuDNN took 8 and 16 MiB of workspace at 8 and 16, but only 2 MiB at 32.
+        let points = [trial(8, 8), trial(16, 16)];
+        let lines = ReservedLines::of(&points).unwrap();
+        let on_lines = lines.peak_reserved(32, None);
+        let replayed = Replayed {
+            micro: 32,
+            allocations: HashMap::from([(0, vec![64 * MIB, 2 * MIB])]),
+            ..Replayed::default()
+        };
+        let measured = lines.peak_reserved(32, Some(&replayed));
+        // On the lines: 32 + 64 + 32 (workspace) + 128 MiB, each a segment of its own.
+        assert_eq!(on_lines, 20 * MIB + (32 + 64 + 32 + 128) * MIB);
+        // With the replay: the 2 MiB workspace fits in the 20 MiB segment held at the start.
+        assert_eq!(measured, 20 * MIB + (32 + 64 + 128) * MIB);
+        // At another batch the replay says nothing.
+        assert_eq!(
+            lines.peak_reserved(64, Some(&replayed)),
+            lines.peak_reserved(64, None)
+        );
+    }
+
+    #[test]
+    fn a_replay_with_other_requests_keeps_the_outputs_and_swaps_the_workspaces() {
+        // In the step: output, workspace, output; alone at the target: no workspace.
+        assert_eq!(
+            matched(&[64 * MIB, 30 * MIB, 8 * MIB], &[64 * MIB, 8 * MIB]),
+            vec![64 * MIB, 0, 8 * MIB]
+        );
+        // Alone at the target it needed one, the step had none: nothing to put it on.
+        assert_eq!(
+            matched(&[64 * MIB, 8 * MIB], &[64 * MIB, 2 * MIB, 8 * MIB]),
+            vec![64 * MIB, 8 * MIB]
+        );
+        // Two workspaces in the step, one at the target: the first takes it.
+        assert_eq!(
+            matched(&[64 * MIB, 30 * MIB, 40 * MIB], &[64 * MIB, 3 * MIB]),
+            vec![64 * MIB, 3 * MIB, 0]
+        );
+        // As many requests: one for one.
+        assert_eq!(matched(&[1, 2], &[5, 6]), vec![5, 6]);
+    }
+
+    #[test]
+    fn trials_whose_requests_do_not_line_up_give_no_lines() {
+        let trial = |batch, trace: AllocTrace| {
+            let measured = Measured {
+                allocations: Some(trace.into()),
+                ..Measured::default()
+            };
+            (batch, measured)
+        };
+        let mut other = conv_step(16, 16);
+        // A loop that frees in another order at the larger batch: no request's life matches.
+        other.events = vec![1 << 20, -1, 2 << 20, -2, 3 << 20, -3, 4 << 20, -4];
+        assert!(ReservedLines::of(&[trial(8, conv_step(8, 8)), trial(16, other)]).is_none());
+        // One trial with requests is no line.
+        assert!(ReservedLines::of(&[trial(8, conv_step(8, 8))]).is_none());
+        // Nor two at the same batch.
+        assert!(
+            ReservedLines::of(&[trial(8, conv_step(8, 8)), trial(8, conv_step(8, 8))]).is_none()
+        );
+    }
+}
