@@ -257,7 +257,6 @@ pub struct Finished(pub CompareRun);
 impl Finished {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
-        let json = serde_json::to_string(&self.0).unwrap_or_default();
-        println!("EVCXR_BEGIN_CONTENT {COMPARE_RUN_MIME}\n{json}\nEVCXR_END_CONTENT");
+        crate::display::json_result(COMPARE_RUN_MIME, &self.0);
     }
 }

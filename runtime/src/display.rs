@@ -11,7 +11,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::{Map, Value};
-use tchmem_wire::{CellMessage, Display};
+use tchmem_wire::{CellMessage, Display, EVCXR_BEGIN_CONTENT, EVCXR_END_CONTENT};
 
 /// Shows one output with the given representations (`(mime, content)` pairs). JSON MIME types
 /// (`application/json`, `…+json`) take JSON text and are sent as JSON.
@@ -103,6 +103,22 @@ pub(crate) fn send(message: &CellMessage) {
     let _ = writeln!(out, "{}", message.to_line()).and_then(|_| out.flush());
 }
 
+/// Prints `content` as evcxr's block of rich output of type `mime`: how a cell's final value
+/// reaches the kernel as its result.
+pub(crate) fn result_block(mime: &str, content: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = write!(
+        out,
+        "{EVCXR_BEGIN_CONTENT} {mime}\n{content}\n{EVCXR_END_CONTENT}\n"
+    );
+    let _ = out.flush();
+}
+
+/// `value` as JSON in [`result_block`]: the measurements a kernel-written cell ends in.
+pub(crate) fn json_result(mime: &str, value: &impl serde::Serialize) {
+    result_block(mime, &serde_json::to_string(value).unwrap_or_default());
+}
+
 /// The value a cell ends in, shown with `Debug` as evcxr shows it, in one compile.
 ///
 /// evcxr compiles a cell that ends in a value with `(value).evcxr_display();` first and, when
@@ -118,13 +134,7 @@ pub trait ShowDebugValue {
 
 impl<T: std::fmt::Debug + ?Sized> ShowDebugValue for T {
     fn evcxr_display(&self) {
-        let text = format!("{self:?}");
-        let mut out = std::io::stdout().lock();
         // The block evcxr's own Debug fallback prints; the kernel turns it into the result.
-        let _ = write!(
-            out,
-            "EVCXR_BEGIN_CONTENT text/plain\n{text}\nEVCXR_END_CONTENT\n"
-        );
-        let _ = out.flush();
+        result_block("text/plain", &format!("{self:?}"));
     }
 }

@@ -72,8 +72,7 @@ pub struct Model(pub ModelShapes);
 impl Model {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
-        let json = serde_json::to_string(&self.0).unwrap_or_default();
-        println!("EVCXR_BEGIN_CONTENT {MODEL_SHAPES_MIME}\n{json}\nEVCXR_END_CONTENT");
+        crate::display::json_result(MODEL_SHAPES_MIME, &self.0);
     }
 }
 
@@ -108,7 +107,6 @@ pub struct Room(pub Option<DeviceRoom>);
 impl Room {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
-        let json = serde_json::to_string(&self.0).unwrap_or_default();
-        println!("EVCXR_BEGIN_CONTENT {DEVICE_ROOM_MIME}\n{json}\nEVCXR_END_CONTENT");
+        crate::display::json_result(DEVICE_ROOM_MIME, &self.0);
     }
 }

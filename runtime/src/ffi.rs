@@ -53,3 +53,17 @@ pub(crate) unsafe fn slice<'a, T>(data: *const T, len: usize) -> &'a [T] {
         unsafe { std::slice::from_raw_parts(data, len) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_vectors_null_data_is_an_empty_slice() {
+        // SAFETY: length 0 with a null pointer is what the helper is for; then a real array.
+        let empty: &[i64] = unsafe { slice(std::ptr::null(), 0) };
+        assert!(empty.is_empty());
+        let items = [1i64, 2, 3];
+        assert_eq!(unsafe { slice(items.as_ptr(), 3) }, &items);
+    }
+}

@@ -247,7 +247,6 @@ pub struct Replayed(pub OpReplay);
 impl Replayed {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
-        let json = serde_json::to_string(&self.0).unwrap_or_default();
-        println!("EVCXR_BEGIN_CONTENT {OP_REPLAY_MIME}\n{json}\nEVCXR_END_CONTENT");
+        crate::display::json_result(OP_REPLAY_MIME, &self.0);
     }
 }
