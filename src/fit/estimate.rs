@@ -255,23 +255,23 @@ impl Calibration {
         let peak_allocated = scenario.begin + loop_peak;
         // The trials' allocator events replayed at `micro` where they line up (a loop that
         // accumulates runs other requests than its trials did); else the cache's share.
+        // Where the model missed the larger trial's own peak, the same miss scaled to here
+        // bounds a range.
         let simulated = (accumulate == 1)
             .then(|| ReservedLines::of(&self.points))
             .flatten()
             .map(|lines| {
-                lines
-                    .peak_reserved(micro, self.replayed.as_ref())
-                    .saturating_sub(peak_allocated)
+                let reserved = lines.peak_reserved(micro, self.replayed.as_ref()) as f64;
+                let other = reserved * lines.model_missed().unwrap_or(1.0);
+                let above = |bytes: f64| (bytes - peak_allocated as f64).max(0.0);
+                Cache {
+                    point: above(reserved),
+                    low: above(reserved.min(other)),
+                    high: above(reserved.max(other)),
+                    simulated: true,
+                }
             });
-        let cache = simulated.map_or_else(
-            || self.cache(loop_peak),
-            |bytes| Cache {
-                point: bytes as f64,
-                low: bytes as f64,
-                high: bytes as f64,
-                simulated: true,
-            },
-        );
+        let cache = simulated.unwrap_or_else(|| self.cache(loop_peak));
         let categories = vec![
             category(
                 CategoryName::Parameters,
@@ -322,7 +322,12 @@ impl Calibration {
                 CategoryName::Fragmentation,
                 cache.point.round() as u64,
                 false,
-                if cache.simulated {
+                if cache.simulated && cache.spread(peak_allocated).is_some() {
+                    "the allocator's rules applied to the calibration trials' requests, each on \
+                     its line to this batch (the heaviest operators' as they ran alone here); \
+                     the rules missed the larger trial's own peak reserved by over 5%: peak \
+                     reserved is a range"
+                } else if cache.simulated {
                     "the allocator's rules applied to the calibration trials' requests, each on \
                      its line to this batch (the heaviest operators' as they ran alone here)"
                 } else if cache.spread(peak_allocated).is_some() {
@@ -433,18 +438,23 @@ struct Cache {
     point: f64,
     low: f64,
     high: f64,
-    /// From the allocator's rules applied to the trials' requests (no range).
+    /// From the allocator's rules applied to the trials' requests (a range only where the rules
+    /// missed the larger trial's own peak).
     simulated: bool,
 }
 
 impl Cache {
     /// The range, when the trials disagree so that it matters: the largest cache over half as
     /// much again as the smallest, and apart by over a twentieth of the predicted peak reserved
-    /// (`allocated` plus the cache).
+    /// (`allocated` plus the cache). From the allocator's rules: whenever it is not a point.
     fn spread(&self, allocated: u64) -> Option<(u64, u64)> {
         let reserved = allocated as f64 + self.point;
-        (self.high > self.low * 1.5 && self.high - self.low > reserved / 20.0)
-            .then(|| (self.low.round() as u64, self.high.round() as u64))
+        let apart = if self.simulated {
+            self.high > self.low
+        } else {
+            self.high > self.low * 1.5 && self.high - self.low > reserved / 20.0
+        };
+        apart.then(|| (self.low.round() as u64, self.high.round() as u64))
     }
 }
 
@@ -748,5 +758,49 @@ pub(crate) mod tests {
         assert!((time.low - 0.0120).abs() < 1e-9, "{time:?}");
         assert!((time.high - 0.0231).abs() < 1e-9, "{time:?}");
         assert!(time.holds(0.0146), "{time:?}");
+    }
+
+    #[test]
+    fn the_estimate_takes_its_reserved_peak_from_the_allocators_rules() {
+        use crate::fit::reserved::tests::{error, point, recorded};
+        let truth = recorded("gru-128");
+        let calibration = Calibration {
+            points: vec![point(&recorded("gru-32")), point(&recorded("gru-64"))],
+            rule: OptimizerRule::Adam,
+            gradients_in_backward: false,
+            replayed: None,
+        };
+        let scenario = Scenario {
+            batch: 128,
+            accumulate: 1,
+            rule: OptimizerRule::Adam,
+            begin: truth.begin_allocated,
+        };
+        let prediction = calibration.predict(&scenario).unwrap();
+        let e = error(prediction.peak_reserved, truth.peak_reserved);
+        assert!(e.abs() < 0.01, "{e:+.3}");
+        assert_eq!(prediction.reserved_spread, None);
+        let cache = prediction.categories.last().unwrap();
+        assert!(cache.how.contains("allocator's rules"), "{}", cache.how);
+        // A loop that accumulates makes other requests than its trials: the cache's share.
+        let accumulating = calibration
+            .predict(&Scenario {
+                accumulate: 2,
+                ..scenario
+            })
+            .unwrap();
+        let cache = accumulating.categories.last().unwrap();
+        assert!(cache.how.contains("scaled"), "{}", cache.how);
+        // Where the rules missed the larger trial's own peak (measured 10% under), a range
+        // from the point down by as much.
+        let mut missed = calibration.clone();
+        missed.points[1].1.peak_reserved -= missed.points[1].1.peak_reserved / 10;
+        let ranged = missed.predict(&scenario).unwrap();
+        assert_eq!(ranged.peak_reserved, prediction.peak_reserved);
+        let (low, high) = ranged.reserved_spread.unwrap();
+        assert_eq!(high, prediction.peak_reserved);
+        let expected_low = (prediction.peak_reserved as f64 * 0.9) as u64;
+        assert!(low.abs_diff(expected_low) < MIB, "{low} {expected_low}");
+        assert!(ranged.categories.last().unwrap().how.contains("a range"));
     }
 }

@@ -26,6 +26,11 @@ use super::trial::Measured;
 /// Below this share of the larger trial's requests lined up, the trials are not the same loop
 /// enough for the allocator's replay.
 pub const MIN_ALIGNED: f64 = 0.9;
+/// When the model replaying the larger trial's own events misses its measured peak reserved by
+/// more than this share, the allocator did something the model does not know (on the H200: a
+/// VGG-style net's trial at 128 reserved 2116 MB where its own events gave 2399 MB, likely cache
+/// given back when cuDNN tried a workspace too large to have), and the prediction is a range.
+pub const MODEL_TOLERANCE: f64 = 0.05;
 /// Lifetimes (in requests until the free) are compared up to this; longer ones are alike.
 const LIFETIME_CAP: u32 = 50;
 /// A request never freed within the trace.
@@ -95,28 +100,41 @@ pub struct ReservedLines<'a> {
     large: Requests<'a>,
     /// For each request of the larger trial, the smaller trial's request it lines up with.
     pairs: Vec<Option<usize>>,
+    /// The larger trial's measured peak reserved over what the model gives from its own events
+    /// (1 when it was not measured).
+    model_ratio: f64,
 }
 
 impl<'a> ReservedLines<'a> {
     /// The last two points that logged their allocator events, if these line up.
     pub fn of(points: &'a [(u64, Measured)]) -> Option<ReservedLines<'a>> {
-        let logged: Vec<(u64, &AllocTrace)> = points
+        let logged: Vec<(u64, &AllocTrace, u64)> = points
             .iter()
-            .filter_map(|(b, m)| Some((*b, m.allocations.as_deref()?)))
-            .filter(|(_, t)| !t.events.is_empty())
+            .filter_map(|(b, m)| Some((*b, m.allocations.as_deref()?, m.peak_reserved)))
+            .filter(|(_, t, _)| !t.events.is_empty())
             .collect();
-        let [.., (b1, t1), (b2, t2)] = logged.as_slice() else {
+        let [.., (b1, t1, _), (b2, t2, measured)] = logged.as_slice() else {
             return None;
         };
         if b1 >= b2 {
             return None;
         }
+        let own = allocator::peak_reserved(&t2.segments, t2.decoded());
+        tracing::debug!(
+            "the model gives the trial at {b2} {own} bytes reserved; measured {measured}"
+        );
+        let model_ratio = if *measured > 0 && own > 0 {
+            *measured as f64 / own as f64
+        } else {
+            1.0
+        };
         let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
         let pairs = align(&small.lifetimes, &large.lifetimes)?;
         let lines = ReservedLines {
             small,
             large,
             pairs,
+            model_ratio,
         };
         if lines.aligned_share() < MIN_ALIGNED {
             tracing::debug!(
@@ -126,6 +144,12 @@ impl<'a> ReservedLines<'a> {
             return None;
         }
         Some(lines)
+    }
+
+    /// The larger trial's measured peak reserved over the model's from its own events, when
+    /// they differ by over [`MODEL_TOLERANCE`].
+    pub fn model_missed(&self) -> Option<f64> {
+        ((self.model_ratio - 1.0).abs() > MODEL_TOLERANCE).then_some(self.model_ratio)
     }
 
     /// The share of the larger trial's requests lined up with the smaller's.
@@ -295,7 +319,7 @@ fn align(small: &[u32], large: &[u32]) -> Option<Vec<Option<usize>>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tchmem_wire::alloc_trace::Segment;
 
@@ -303,15 +327,15 @@ mod tests {
 
     /// A trial recorded on the H200 (`results/gpu/2026-12-03-reserved/`).
     #[derive(serde::Deserialize)]
-    struct Recorded {
+    pub(crate) struct Recorded {
         batch: u64,
-        begin_allocated: u64,
+        pub(crate) begin_allocated: u64,
         peak_allocated: u64,
-        peak_reserved: u64,
+        pub(crate) peak_reserved: u64,
         trace: AllocTrace,
     }
 
-    fn recorded(name: &str) -> Recorded {
+    pub(crate) fn recorded(name: &str) -> Recorded {
         let path = format!(
             "{}/results/gpu/2026-12-03-reserved/traces/{name}.json",
             env!("CARGO_MANIFEST_DIR")
@@ -320,7 +344,7 @@ mod tests {
         serde_json::from_str(&text).unwrap()
     }
 
-    fn point(r: &Recorded) -> (u64, Measured) {
+    pub(crate) fn point(r: &Recorded) -> (u64, Measured) {
         let measured = Measured {
             cuda: true,
             begin: r.begin_allocated,
@@ -334,7 +358,7 @@ mod tests {
         (r.batch, measured)
     }
 
-    fn error(predicted: u64, measured: u64) -> f64 {
+    pub(crate) fn error(predicted: u64, measured: u64) -> f64 {
         predicted as f64 / measured as f64 - 1.0
     }
 
@@ -384,40 +408,6 @@ mod tests {
                 assert!(e.abs() < 0.01, "gru{amp} at {target}: {e:+.3}");
             }
         }
-    }
-
-    #[test]
-    fn the_estimate_takes_its_reserved_peak_from_the_allocators_rules() {
-        use crate::fit::estimate::{Calibration, Scenario};
-        use tchmem_wire::estimate::OptimizerRule;
-        let truth = recorded("gru-128");
-        let calibration = Calibration {
-            points: vec![point(&recorded("gru-32")), point(&recorded("gru-64"))],
-            rule: OptimizerRule::Adam,
-            gradients_in_backward: false,
-            replayed: None,
-        };
-        let scenario = Scenario {
-            batch: 128,
-            accumulate: 1,
-            rule: OptimizerRule::Adam,
-            begin: truth.begin_allocated,
-        };
-        let prediction = calibration.predict(&scenario).unwrap();
-        let e = error(prediction.peak_reserved, truth.peak_reserved);
-        assert!(e.abs() < 0.01, "{e:+.3}");
-        assert_eq!(prediction.reserved_spread, None);
-        let cache = prediction.categories.last().unwrap();
-        assert!(cache.how.contains("allocator's rules"), "{}", cache.how);
-        // A loop that accumulates makes other requests than its trials: the cache's share.
-        let accumulating = calibration
-            .predict(&Scenario {
-                accumulate: 2,
-                ..scenario
-            })
-            .unwrap();
-        let cache = accumulating.categories.last().unwrap();
-        assert!(cache.how.contains("scaled"), "{}", cache.how);
     }
 
     /// A step of a conv net at `batch` with its operators marked: the batch (1 MiB a sample),
@@ -494,6 +484,19 @@ mod tests {
         );
         // As many requests: one for one.
         assert_eq!(matched(&[1, 2], &[5, 6]), vec![5, 6]);
+    }
+
+    #[test]
+    fn a_trial_the_model_does_not_reproduce_is_told() {
+        let small = point(&recorded("gru-32"));
+        let mut large = point(&recorded("gru-64"));
+        let points = [small.clone(), large.clone()];
+        assert_eq!(ReservedLines::of(&points).unwrap().model_missed(), None);
+        // Measured a fifth above what its own events give (another stream, say).
+        large.1.peak_reserved += large.1.peak_reserved / 5;
+        let points = [small, large];
+        let missed = ReservedLines::of(&points).unwrap().model_missed().unwrap();
+        assert!((missed - 1.2).abs() < 0.001, "{missed}");
     }
 
     #[test]

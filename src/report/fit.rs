@@ -294,7 +294,8 @@ pub fn estimate_display(view: &EstimateView) -> Display {
 }
 
 /// What the estimate predicts beyond its table: the step time (and why it is a range), and
-/// peak reserved as a range where the calibration trials' caches disagree.
+/// peak reserved as a range where the calibration trials' caches disagree, or where the
+/// allocator's rules missed the larger trial's own peak.
 fn prediction_lines(prediction: &Prediction) -> String {
     let step_time = &prediction.step_time;
     let predicted_step = step_time.describe(prediction.step_seconds);
@@ -308,12 +309,22 @@ fn prediction_lines(prediction: &Prediction) -> String {
     } else {
         ""
     };
+    let by_rules = prediction
+        .categories
+        .iter()
+        .any(|c| c.name == CategoryName::Fragmentation && c.how.contains("allocator's rules"));
+    let why_reserved = if by_rules {
+        "the allocator's rules missed the larger calibration trial's own peak reserved (it gave \
+         back or kept cache the rules did not expect)"
+    } else {
+        "the calibration trials' caches disagree (the allocator's segments did not grow with the \
+         batch alike)"
+    };
     let reserved_range = prediction
         .reserved_spread
         .map_or(String::new(), |(low, high)| {
             format!(
-                "\npredicted peak reserved {}, between {} and {}: the calibration trials' \
-                 caches disagree (the allocator's segments did not grow with the batch alike)",
+                "\npredicted peak reserved {}, between {} and {}: {why_reserved}",
                 human_bytes(prediction.peak_reserved),
                 human_bytes(low),
                 human_bytes(high)
