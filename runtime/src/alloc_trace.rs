@@ -42,9 +42,11 @@ mod shim {
     }
 }
 
-/// The process's log (made on first use, CUDA only); null when there is none.
+/// The process's log, made on first use (CUDA only); null when there is none. Only a run that
+/// logs makes it: attached, the allocator's tracker is called on every request for the rest of
+/// the process.
 #[cfg(tchmem_cuda_headers)]
-pub(crate) fn log() -> *mut std::ffi::c_void {
+fn made_log() -> *mut std::ffi::c_void {
     if !tch::Cuda::is_available() {
         return std::ptr::null_mut();
     }
@@ -62,10 +64,10 @@ pub(crate) fn log() -> *mut std::ffi::c_void {
     *kept as *mut std::ffi::c_void
 }
 
-/// Without CUDA headers there is no log.
-#[cfg(not(tchmem_cuda_headers))]
-pub(crate) fn log() -> *mut std::ffi::c_void {
-    std::ptr::null_mut()
+/// The process's log if a run made it, else null: for marking operators in it and logging a
+/// replay's requests, which matter only beside trials that logged theirs.
+pub(crate) fn existing_log() -> *mut std::ffi::c_void {
+    *crate::state::lock(&crate::state::shared().alloc_log) as *mut std::ffi::c_void
 }
 
 /// Starts logging from now; the segments the allocator holds now, for [`stop`]. `None` when
@@ -95,7 +97,7 @@ pub(crate) fn start() -> Option<Vec<Segment>> {
                 });
             }
         }
-        let log = log();
+        let log = made_log();
         if log.is_null() {
             return None;
         }
@@ -141,7 +143,7 @@ pub(crate) fn stop(segments: Vec<Segment>) -> AllocTrace {
             segments,
             ..AllocTrace::default()
         };
-        let log = log();
+        let log = existing_log();
         if !log.is_null() {
             // SAFETY: the process's log and the trace above for the callback.
             unsafe {

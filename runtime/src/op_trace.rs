@@ -69,7 +69,7 @@ pub(crate) fn start() -> Result<()> {
     let cuda = tch::Cuda::is_available();
     let mut callback = 0u64;
     // Each operator's beginning and end marked in the allocator's events, when they are logged.
-    let log = crate::alloc_trace::log();
+    let log = crate::alloc_trace::existing_log();
     // SAFETY: plain arguments, the process's log (or null), an out-pointer to a local and the
     // error buffer.
     call(|e, n| unsafe {
@@ -207,7 +207,7 @@ fn replay_all(
     let mut excess = vec![-1i64; indices.len()];
     let mut allocations: Vec<Vec<u64>> = vec![Vec::new(); indices.len()];
     let cuda = tch::Cuda::is_available();
-    let log = crate::alloc_trace::log();
+    let log = crate::alloc_trace::existing_log();
     let context = &mut allocations as *mut Vec<Vec<u64>> as *mut c_void;
     // SAFETY: two live recordings, `indices` and `excess` of `indices.len()` elements, the
     // process's log (or null), the Vec above for the callback, the error buffer.

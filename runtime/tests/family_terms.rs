@@ -145,13 +145,19 @@ fn a_gru_language_model() {
         || {
             let xs = tokens.narrow(1, 0, 8).apply(&embedding);
             let (out, _) = nn::RNN::seq(&gru, &xs);
-            out.apply(&head)
-                .view([-1, vocab])
-                .cross_entropy_for_logits(&tokens.narrow(1, 1, 8).reshape([-1]))
+            next_token_loss(&out.apply(&head), &tokens, vocab)
         },
         (expected as u64, 0),
         (OptimizerRule::Adam, adam),
     );
+}
+
+/// The loss of predicting each next token of `tokens` (two rows of 9) from `logits` over the
+/// first 8.
+fn next_token_loss(logits: &Tensor, tokens: &Tensor, vocab: i64) -> Tensor {
+    logits
+        .view([-1, vocab])
+        .cross_entropy_for_logits(&tokens.narrow(1, 1, 8).reshape([-1]))
 }
 
 #[test]
@@ -172,9 +178,7 @@ fn a_transformer_whose_head_is_its_token_embedding() {
         || {
             let xs = tokens.narrow(1, 0, 8).apply(&tokens_in);
             let xs = &xs + xs.apply(&norm).apply(&mlp).gelu("none");
-            xs.matmul(&tokens_in.ws.tr())
-                .view([-1, vocab])
-                .cross_entropy_for_logits(&tokens.narrow(1, 1, 8).reshape([-1]))
+            next_token_loss(&xs.matmul(&tokens_in.ws.tr()), &tokens, vocab)
         },
         (expected as u64, 0),
         (OptimizerRule::AdamW, adamw),

@@ -119,22 +119,13 @@ impl<'a> ReservedLines<'a> {
         if b1 >= b2 {
             return None;
         }
-        let own = allocator::peak_reserved(&t2.segments, t2.decoded());
-        tracing::debug!(
-            "the model gives the trial at {b2} {own} bytes reserved; measured {measured}"
-        );
-        let model_ratio = if *measured > 0 && own > 0 {
-            *measured as f64 / own as f64
-        } else {
-            1.0
-        };
         let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
         let pairs = align(&small.lifetimes, &large.lifetimes)?;
-        let lines = ReservedLines {
+        let mut lines = ReservedLines {
             small,
             large,
             pairs,
-            model_ratio,
+            model_ratio: 1.0,
         };
         if lines.aligned_share() < MIN_ALIGNED {
             tracing::debug!(
@@ -142,6 +133,13 @@ impl<'a> ReservedLines<'a> {
                 100.0 * lines.aligned_share()
             );
             return None;
+        }
+        let own = allocator::peak_reserved(&t2.segments, t2.decoded());
+        tracing::debug!(
+            "the model gives the trial at {b2} {own} bytes reserved; measured {measured}"
+        );
+        if *measured > 0 && own > 0 {
+            lines.model_ratio = *measured as f64 / own as f64;
         }
         Some(lines)
     }
@@ -188,9 +186,9 @@ impl<'a> ReservedLines<'a> {
         ))
     }
 
-    /// The larger trial's requests at `micro`.
-    fn sizes_at(&self, micro: u64, replayed: Option<&Replayed>) -> Vec<u64> {
-        let measured = self.replayed_sizes(micro, replayed);
+    /// The larger trial's requests at `micro`, where `measured` has the replayed operators'
+    /// (see [`Self::replayed_sizes`]).
+    fn sizes_at(&self, micro: u64, measured: &HashMap<(u64, u64, u32), u64>) -> Vec<u64> {
         (0..self.large.sizes.len())
             .map(|j| {
                 self.key(j)
@@ -229,14 +227,15 @@ impl<'a> ReservedLines<'a> {
     /// The peak reserved bytes at `micro`: the larger trial's events at the sizes predicted
     /// there, from the segments it began with.
     pub fn peak_reserved(&self, micro: u64, replayed: Option<&Replayed>) -> u64 {
-        let sizes = self.sizes_at(micro, replayed);
+        let measured = self.replayed_sizes(micro, replayed);
         tracing::debug!(
             "reserved at {micro}: {} and {} requests, {:.1}% lined up, {} keys from the replay",
             self.small.sizes.len(),
             self.large.sizes.len(),
             100.0 * self.aligned_share(),
-            self.replayed_sizes(micro, replayed).len()
+            measured.len()
         );
+        let sizes = self.sizes_at(micro, &measured);
         let mut request = 0;
         let events = self.large.trace.decoded().map(|event| match event {
             AllocEvent::Alloc(_) => {
@@ -270,11 +269,11 @@ fn matched(lines: &[u64], replayed: &[u64]) -> Vec<u64> {
             Some(replayed[r])
         })
         .collect();
-    let mut rest = (0..replayed.len())
-        .filter(|&r| !used[r])
-        .map(|r| replayed[r])
-        .collect::<Vec<_>>()
-        .into_iter();
+    let mut rest = replayed
+        .iter()
+        .zip(&used)
+        .filter(|(_, used)| !**used)
+        .map(|(&size, _)| size);
     on_line
         .into_iter()
         .map(|size| size.or_else(|| rest.next()).unwrap_or(0))
