@@ -3,14 +3,8 @@
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-/// libtorch's CPU generator is global and tests run in parallel: a test that draws random
-/// numbers between another's seeding and its forward pass would change its dropout masks, so
-/// the tests take turns.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn rng_turn() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::rng_turn;
 
 fn mlp_t(root: nn::Path, checkpointed: bool, segments: Option<usize>) -> Box<dyn ModuleT> {
     let dims = [16, 64, 64, 64, 64, 8];

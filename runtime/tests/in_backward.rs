@@ -7,13 +7,8 @@ use tchmem::optim::{Adafactor, Adam, AdamW, AdamW8bit, Lion, Optimizer, Sgd};
 
 const CPU: Device = Device::Cpu;
 
-/// libtorch's CPU generator is global and tests run in parallel: the two nets a test compares
-/// must be drawn without another test's draws in between, so the tests take turns.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn rng_turn() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::rng_turn;
 
 /// A two-layer net with a tied weight used twice (its gradient is the sum of two paths), and a
 /// parameter group with its own learning rate and no weight decay.

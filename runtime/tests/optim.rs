@@ -5,6 +5,9 @@ use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tchmem::optim::{Adafactor, Adam, AdamW, AdamW8bit, Lion, Optimizer, Sgd, Step};
 
+mod common;
+use common::rng_turn;
+
 const CPU: Device = Device::Cpu;
 
 /// A fixed random linear regression: a 64→32 linear model and its data.
@@ -75,6 +78,7 @@ fn assert_trains(build: impl FnOnce(&nn::VarStore) -> Optimizer) {
 
 #[test]
 fn every_optimizer_decreases_the_loss() {
+    let _turn = rng_turn();
     assert_trains(|vs| Sgd::default().build(vs, 0.05).unwrap());
     assert_trains(|vs| {
         Sgd {
@@ -143,6 +147,7 @@ fn state_bytes(opt: &mut Optimizer, loss: &Tensor) -> (u64, u64) {
 
 #[test]
 fn sgd_and_lion_keep_one_f32_buffer_per_parameter() {
+    let _turn = rng_turn();
     let (vs, loss) = mixed_model();
     let mut opt = Sgd::default().build(&vs, 0.1).unwrap();
     assert_eq!(state_bytes(&mut opt, &loss), (0, 4 * MIXED_PARAMS));
@@ -164,6 +169,7 @@ fn sgd_and_lion_keep_one_f32_buffer_per_parameter() {
 
 #[test]
 fn adafactor_keeps_rows_and_columns() {
+    let _turn = rng_turn();
     let factored = 4 * ((32 + 64) + (8 * 3 * 5 + 8 * 3 * 5));
     let unfactored = 4 * (32 + 1);
     let (vs, loss) = mixed_model();
@@ -200,6 +206,7 @@ fn adamw8bit_bytes(sizes: &[u64]) -> u64 {
 
 #[test]
 fn adamw8bit_state_is_exact_and_a_quarter_of_adam() {
+    let _turn = rng_turn();
     let vs = nn::VarStore::new(CPU);
     let a = vs.root().randn("a", &[1000, 7], 0.0, 0.1); // 7000: 28 blocks, the last partial
     let b = vs.root().randn("b", &[4096], 0.0, 0.1); // exactly the threshold: 8-bit
@@ -230,6 +237,7 @@ fn adamw8bit_state_is_exact_and_a_quarter_of_adam() {
 
 #[test]
 fn lion_matches_a_hand_computed_update() {
+    let _turn = rng_turn();
     let (beta1, beta2, wd, lr) = (0.9, 0.99, 0.1, 0.01);
     let vs = nn::VarStore::new(CPU);
     let init = [1.0f64, -2.0, 0.5, 3.0];
@@ -268,6 +276,7 @@ fn lion_matches_a_hand_computed_update() {
 
 #[test]
 fn adamw8bit_tracks_fp32_adamw() {
+    let _turn = rng_turn();
     let (beta1, beta2, eps, wd, lr) = (0.9, 0.999, 1e-8, 0.01, 1e-3);
     let steps = 6;
     let n = 8192;
@@ -328,6 +337,7 @@ fn adamw8bit_tracks_fp32_adamw() {
 
 #[test]
 fn zero_grad_frees_gradients_and_backward_step_works() {
+    let _turn = rng_turn();
     let builders = every_optimizer(1e-3, None);
     for build in builders {
         let problem = Problem::new();
@@ -355,6 +365,7 @@ fn zero_grad_frees_gradients_and_backward_step_works() {
 
 #[test]
 fn set_lr_changes_the_step_size() {
+    let _turn = rng_turn();
     let vs = nn::VarStore::new(CPU);
     let w = vs
         .root()
@@ -374,6 +385,7 @@ fn set_lr_changes_the_step_size() {
 
 #[test]
 fn parameters_without_gradients_are_skipped() {
+    let _turn = rng_turn();
     let builders = every_optimizer(1e-3, Some(0));
     for build in builders {
         let vs = nn::VarStore::new(CPU);
@@ -407,6 +419,7 @@ fn parameters_without_gradients_are_skipped() {
 
 #[test]
 fn clipping_matches_tch() {
+    let _turn = rng_turn();
     let vs = nn::VarStore::new(CPU);
     let a = vs.root().var_copy("a", &Tensor::from_slice(&[3.0f32, 0.0]));
     let b = vs.root().var_copy("b", &Tensor::from_slice(&[0.0f32, 4.0]));
@@ -448,6 +461,7 @@ fn clipping_matches_tch() {
 
 #[test]
 fn half_precision_parameters_step() {
+    let _turn = rng_turn();
     let builders = every_optimizer(1e-2, Some(0));
     for build in builders {
         let mut vs = nn::VarStore::new(CPU);
@@ -475,6 +489,7 @@ fn half_precision_parameters_step() {
 
 #[test]
 fn variables_added_later_are_picked_up() {
+    let _turn = rng_turn();
     let vs = nn::VarStore::new(CPU);
     let a = vs.root().randn("a", &[10], 0.0, 1.0);
     let mut opt = Sgd::default().build(&vs, 0.1).unwrap();
@@ -487,6 +502,7 @@ fn variables_added_later_are_picked_up() {
 
 #[test]
 fn invalid_configs_are_errors() {
+    let _turn = rng_turn();
     let vs = nn::VarStore::new(CPU);
     assert!(AdamW8bit {
         block_size: 0,
@@ -540,6 +556,7 @@ fn difference_from_tch(
 
 #[test]
 fn fused_adam_and_adamw_match_tchs_optimizers() {
+    let _turn = rng_turn();
     use tch::nn::OptimizerConfig;
     let lr = 1e-2;
     let adamw = difference_from_tch(
@@ -581,6 +598,7 @@ fn fused_adam_and_adamw_match_tchs_optimizers() {
 
 #[test]
 fn fused_adamw_keeps_two_moments_and_a_step_per_parameter() {
+    let _turn = rng_turn();
     let (vs, loss) = mixed_model();
     let mut opt = AdamW::default().build(&vs, 1e-3).unwrap();
     let parameters = vs.trainable_variables().len() as u64;
@@ -607,6 +625,7 @@ fn grouped_problem() -> (nn::VarStore, impl Fn() -> Tensor) {
 
 #[test]
 fn parameter_groups_take_their_own_weight_decay_and_learning_rate_as_in_tch() {
+    let _turn = rng_turn();
     use tch::nn::OptimizerConfig;
     let (reference, reference_loss) = grouped_problem();
     let (ours, our_loss) = grouped_problem();

@@ -6,13 +6,8 @@ use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tchmem::fused_loss::{split_head, tied_head, FusedLoss, SplitHead};
 
-/// The tests draw their weights from libtorch's global generator after seeding it: one at a
-/// time, so that a test running beside another cannot draw in between.
-static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn rng_turn() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
+use common::rng_turn;
 
 const WIDTH: i64 = 12;
 const VOCAB: i64 = 29;
