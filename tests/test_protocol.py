@@ -172,6 +172,25 @@ def test_completion_offers_names_with_their_signatures_beside_them(kernel):
     assert size["signature"].startswith("size(") and size["type"] == "function", size
 
 
+def test_the_analysis_knows_the_standard_library(kernel):
+    """The code analysis reads the library's crates without their workspace (see
+    src/session/analysis_std.rs): std's types and methods are still known to it."""
+    _, kc = kernel
+    reply, _ = execute(
+        kc,
+        "let analysed_map = std::collections::HashMap::<String, u8>::new();\n"
+        "let analysed_vec = vec![1u16];",
+    )
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, ":vars")
+    listed = json.dumps([m["content"] for m in messages])
+    assert "HashMap<String, u8>" in listed and "Vec<u16>" in listed, listed
+    content = complete(kc, "analysed_map.contains_k")
+    assert "contains_key" in content["matches"], content["matches"]
+    content = complete(kc, "analysed_vec.extend_from_sl")
+    assert "extend_from_slice" in content["matches"], content["matches"]
+
+
 def test_the_first_completion_of_a_new_kernel_has_names_and_signatures():
     """Right after the first cell the engine loads the code analysis (seconds); meanwhile a path
     seen before (`tchmem prepare` and every warm-up remember `tch::Tensor::`) is answered from

@@ -7,7 +7,7 @@ use std::process::Command;
 use anyhow::Context;
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
-use super::deferred_std::DeferredStd;
+use super::analysis_std::AnalysisStd;
 use crate::child::CHILD_ENV;
 
 /// The tch version the runtime crate and cells use (it must match libtorch 2.11).
@@ -35,9 +35,9 @@ pub struct EngineConfig {
     /// Load the code analysis at the engine's first idle moment (a kernel, whose users ask for
     /// completions; not a headless run).
     pub warm_up_analysis: bool,
-    /// evcxr's warm-up is analysed without the standard library (set by
-    /// [`EngineConfig::apply_to_process_environment`]).
-    pub deferred_std: Option<DeferredStd>,
+    /// The standard library the code analysis reads: none for evcxr's warm-up, then the
+    /// library's crates (set by [`EngineConfig::apply_to_process_environment`]).
+    pub analysis_std: Option<AnalysisStd>,
 }
 
 impl EngineConfig {
@@ -53,7 +53,7 @@ impl EngineConfig {
             runtime_crate: runtime_crate_dir(),
             workdir,
             warm_up_analysis: false,
-            deferred_std: None,
+            analysis_std: None,
         }
     }
 
@@ -73,7 +73,7 @@ impl EngineConfig {
         add_cargo_to_path();
         if self.libtorch.is_some() {
             let root = self.workdir.parent().unwrap_or(&self.workdir);
-            self.deferred_std = DeferredStd::begin(root);
+            self.analysis_std = AnalysisStd::begin(root);
         }
     }
 
@@ -153,12 +153,12 @@ pub fn create_context(
     child
         .env(CHILD_ENV, "1")
         .env("LD_LIBRARY_PATH", config.child_library_path()?);
-    if let Some(deferred) = &config.deferred_std {
-        deferred.hide_from(&mut child);
+    if let Some(std) = &config.analysis_std {
+        std.hide_from(&mut child);
     }
     let created = EvalContext::with_subprocess_command(child);
-    if let Some(deferred) = config.deferred_std {
-        deferred.end();
+    if let Some(std) = config.analysis_std.clone() {
+        std.end();
     }
     let (context, outputs) = created.map_err(|error| {
         anyhow::anyhow!(

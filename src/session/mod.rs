@@ -2,12 +2,12 @@
 //! and runs code, and answers completion and inspection. It knows no magic: what a cell means
 //! (magics, records, rewrites) is the `cells` layer's, which drives it through [`Runner`].
 
+mod analysis_std;
 mod cell_build;
 mod closures;
 mod completion;
 mod context;
 pub mod control;
-mod deferred_std;
 pub mod errors;
 mod infer;
 pub mod loop_checks;

@@ -1,0 +1,160 @@
+//! The standard library that evcxr's code analysis reads.
+//!
+//! evcxr runs rust-analyzer on every cell (to tell the types of the variables it defines), and
+//! once while it creates its context (on `42`, before any dependency is declared). rust-analyzer
+//! finds the standard library through `RUST_SRC_PATH` (else the toolchain's `rust-src`), each
+//! time it loads a crate graph. Two choices here make a start faster (measured with
+//! `scripts/bench/startup`, see results/startup-cpu.txt):
+//!
+//! - The warm-up's crate graph is thrown away by the prelude's (which adds tch and the runtime),
+//!   so reading the library for it bought nothing: it is shown an empty library.
+//! - Given the toolchain's `library/`, rust-analyzer reads it as a cargo workspace: core, alloc
+//!   and std with all of their own dependencies (hashbrown, libc, gimli, object,
+//!   compiler_builtins, …) and their macros, and runs `cargo metadata` on it. What a cell names
+//!   lives in core, alloc and std themselves. Shown the library's crates without the workspace's
+//!   manifest, rust-analyzer takes its own fixed list of the library's crates instead. A cell's
+//!   types and completions are the same (the dependencies are private to std).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What rust-analyzer reads the standard library's location from.
+const SOURCE_VARIABLE: &str = "RUST_SRC_PATH";
+/// The empty library, under the compile slots' root.
+const EMPTY_LIBRARY: &str = "analysis-without-std";
+/// The library's crates without its workspace manifest, under the compile slots' root.
+const CRATES_ONLY_LIBRARY: &str = "analysis-std";
+/// The files of the toolchain's `library/` that make it a cargo workspace.
+const WORKSPACE_FILES: [&str; 2] = ["Cargo.toml", "Cargo.lock"];
+
+/// Which library rust-analyzer is shown: the empty one until [`AnalysisStd::end`], then the
+/// library's crates (or, where they could not be linked, the toolchain's own library).
+#[derive(Debug, Clone)]
+pub struct AnalysisStd {
+    crates_only: Option<PathBuf>,
+}
+
+impl AnalysisStd {
+    /// Points rust-analyzer at an empty standard library under `root`, and links the toolchain
+    /// library's crates there for later, unless the user set `RUST_SRC_PATH` (then nothing
+    /// changes). Call before starting threads: the environment is process-wide.
+    pub fn begin(root: &Path) -> Option<AnalysisStd> {
+        if std::env::var_os(SOURCE_VARIABLE).is_some() {
+            return None;
+        }
+        let library = root.join(EMPTY_LIBRARY);
+        // One empty crate: rust-analyzer then has nothing to read.
+        let core = library.join("core").join("src");
+        let made = std::fs::create_dir_all(&core).and_then(|()| {
+            std::fs::write(
+                core.join("lib.rs"),
+                "// tchmem: see src/session/analysis_std.rs\n",
+            )
+        });
+        if let Err(error) = made {
+            tracing::debug!("evcxr's warm-up reads the standard library: {error}");
+            return None;
+        }
+        let crates_only = toolchain_library().and_then(|toolchain| {
+            let linked = root.join(CRATES_ONLY_LIBRARY);
+            link_crates(&toolchain, &linked)
+                .map_err(|error| {
+                    tracing::debug!("the analysis reads the library's workspace: {error}");
+                })
+                .ok()
+                .map(|()| linked)
+        });
+        std::env::set_var(SOURCE_VARIABLE, &library);
+        Some(AnalysisStd { crates_only })
+    }
+
+    /// Once evcxr's context exists: the library's crates from now on, or the toolchain's
+    /// library where they could not be linked. (Other threads read the environment only
+    /// through Rust's own lock: the kernel process runs no C code that reads it.)
+    pub fn end(self) {
+        match &self.crates_only {
+            Some(library) => std::env::set_var(SOURCE_VARIABLE, library),
+            None => std::env::remove_var(SOURCE_VARIABLE),
+        }
+    }
+
+    /// Keeps the variable from a process started while it is set (the child that runs cells).
+    pub fn hide_from(&self, command: &mut Command) {
+        command.env_remove(SOURCE_VARIABLE);
+    }
+}
+
+/// The toolchain's `library/` (the `rust-src` component), if installed.
+fn toolchain_library() -> Option<PathBuf> {
+    let output = Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .ok()?;
+    let sysroot = String::from_utf8(output.stdout).ok()?;
+    let library = Path::new(sysroot.trim()).join("lib/rustlib/src/rust/library");
+    library.join("std").is_dir().then_some(library)
+}
+
+/// Links every entry of `toolchain` but its workspace files into `linked`. Kernels sharing the
+/// compile root may do this at once: a link already right is kept, a wrong one replaced by a
+/// rename (never removed first), so a reader never finds a crate missing.
+fn link_crates(toolchain: &Path, linked: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(linked)?;
+    for entry in std::fs::read_dir(toolchain)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if WORKSPACE_FILES.iter().any(|file| name == *file) {
+            continue;
+        }
+        let target = entry.path();
+        let link = linked.join(&name);
+        if std::fs::read_link(&link).is_ok_and(|current| current == target) {
+            continue;
+        }
+        let fresh = linked.join(format!(
+            ".{}.{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&fresh);
+        std::os::unix::fs::symlink(&target, &fresh)?;
+        std::fs::rename(&fresh, &link)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_library_is_linked_without_its_workspace_and_relinked_when_it_moves() {
+        let dir = std::env::temp_dir().join(format!("tchmem-analysis-std-{}", std::process::id()));
+        let (old, new, linked) = (dir.join("old"), dir.join("new"), dir.join("linked"));
+        for toolchain in [&old, &new] {
+            std::fs::create_dir_all(toolchain.join("std/src")).unwrap();
+            std::fs::create_dir_all(toolchain.join("core/src")).unwrap();
+            std::fs::write(toolchain.join("Cargo.toml"), "[workspace]\n").unwrap();
+            std::fs::write(toolchain.join("Cargo.lock"), "").unwrap();
+        }
+        link_crates(&old, &linked).unwrap();
+        assert_eq!(
+            std::fs::read_link(linked.join("std")).unwrap(),
+            old.join("std")
+        );
+        assert!(!linked.join("Cargo.toml").exists() && !linked.join("Cargo.lock").exists());
+        // A new toolchain: the links follow it, and nothing else is left behind.
+        link_crates(&new, &linked).unwrap();
+        assert_eq!(
+            std::fs::read_link(linked.join("core")).unwrap(),
+            new.join("core")
+        );
+        let mut names: Vec<_> = std::fs::read_dir(&linked)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["core", "std"]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
