@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CRATES = {"kernel": ROOT / "src", "runtime": ROOT / "runtime" / "src", "wire": ROOT / "wire" / "src"}
+CRATES = {"kernel": ROOT / "src", "runtime": ROOT / "runtime" / "src", "wire": ROOT / "wire" / "src",
+          "show": ROOT / "show" / "src"}
 
 # A path that starts at the crate root or the parent module, with an optional `{…}` group.
 PATH = re.compile(r"\b(crate|super)((?:::\w+)*)(?:::\{([^{}]*)\})?")
@@ -134,3 +135,16 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
     assert circles(edges(tmp_path)) == [["a", "b"]]
     graph = edges(CRATES["kernel"])
     assert ("session",) in graph[("cells",)]
+
+
+def test_the_crate_every_cell_imports_depends_on_nothing():
+    """rustc loads, and links into a cell's library, every crate the cell imports: the prelude's
+    one import (`tchmem-show`) must stay free of dependencies, or every cell pays for them (the
+    runtime's cost a cell that names nothing of tch ~0.1 s, results/vs-evcxr-cpu.txt)."""
+    import tomllib
+
+    manifest = tomllib.loads((ROOT / "show" / "Cargo.toml").read_text())
+    assert not manifest.get("dependencies") and "build-dependencies" not in manifest
+    prelude = (ROOT / "src" / "session" / "context.rs").read_text()
+    imports = re.findall(r"\buse (\w+)::[\w:]+ as _;", prelude)
+    assert imports == ["tchmem_show"], imports

@@ -11,7 +11,8 @@ use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::{Map, Value};
-use tchmem_wire::{CellMessage, Display, EVCXR_BEGIN_CONTENT, EVCXR_END_CONTENT};
+use tchmem_show::result_block;
+use tchmem_wire::{CellMessage, Display};
 
 /// Shows one output with the given representations (`(mime, content)` pairs). JSON MIME types
 /// (`application/json`, `…+json`) take JSON text and are sent as JSON.
@@ -103,38 +104,10 @@ pub(crate) fn send(message: &CellMessage) {
     let _ = writeln!(out, "{}", message.to_line()).and_then(|_| out.flush());
 }
 
-/// Prints `content` as evcxr's block of rich output of type `mime`: how a cell's final value
-/// reaches the kernel as its result.
-pub(crate) fn result_block(mime: &str, content: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = write!(
-        out,
-        "{EVCXR_BEGIN_CONTENT} {mime}\n{content}\n{EVCXR_END_CONTENT}\n"
-    );
-    let _ = out.flush();
-}
-
 /// `value` as JSON in [`result_block`]: the measurements a kernel-written cell ends in.
 pub(crate) fn json_result(mime: &str, value: &impl serde::Serialize) {
     result_block(mime, &serde_json::to_string(value).unwrap_or_default());
 }
 
-/// The value a cell ends in, shown with `Debug` as evcxr shows it, in one compile.
-///
-/// evcxr compiles a cell that ends in a value with `(value).evcxr_display();` first and, when
-/// that does not compile (the type has no `evcxr_display` method, as for numbers, strings and
-/// tensors), compiles the whole cell again with `Debug` formatting: every such cell cost two
-/// compiles. The kernel imports this trait into every cell (`use … as _`), so that the first
-/// compile already succeeds for `Debug` values. A type's own inherent `evcxr_display` still wins
-/// (Rust prefers inherent methods), so rich displays keep working.
-pub trait ShowDebugValue {
-    /// Sends the value as the cell's `text/plain` result, formatted with `{:?}`.
-    fn evcxr_display(&self);
-}
-
-impl<T: std::fmt::Debug + ?Sized> ShowDebugValue for T {
-    fn evcxr_display(&self) {
-        // The block evcxr's own Debug fallback prints; the kernel turns it into the result.
-        result_block("text/plain", &format!("{self:?}"));
-    }
-}
+/// The value a cell ends in, shown with `Debug` in one compile (see the `tchmem-show` crate).
+pub use tchmem_show::ShowDebugValue;

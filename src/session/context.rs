@@ -109,20 +109,28 @@ impl EngineConfig {
         Ok(path)
     }
 
-    /// The `:dep` lines every session starts with: tch, the runtime, and anyhow (tch's examples
-    /// and most tch code return its `Result`).
+    /// The `:dep` lines every session starts with: tch, the runtime, anyhow (tch's examples
+    /// and most tch code return its `Result`), and the one import every cell gets.
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
         Some(format!(
             ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
-             :dep anyhow = \"{ANYHOW_VERSION}\"\n\
+             :dep anyhow = \"{ANYHOW_VERSION}\"\n:dep tchmem-show = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
-             // A cell ending in a Debug value compiles once (see ShowDebugValue).\n\
-             use tchmem::display::ShowDebugValue as _;\n\
+             // A cell ending in a Debug value compiles once; a crate of its own, so that a\n\
+             // cell naming nothing of tch does not load and link the runtime (see tchmem-show).\n\
+             use tchmem_show::ShowDebugValue as _;\n\
              {CHILD_SETUP}\n",
-            self.runtime_crate.display()
+            self.runtime_crate.display(),
+            self.show_crate().display()
         ))
+    }
+
+    /// The `tchmem-show` crate: beside the runtime crate (in this repository and in an offline
+    /// bundle alike).
+    fn show_crate(&self) -> PathBuf {
+        self.runtime_crate.with_file_name("show")
     }
 }
 

@@ -27,12 +27,10 @@ pub const CELL_REPORT_MIME: &str = "application/vnd.tchmem.cell-report+json";
 /// Prefix of the stderr line that ends a cell's stderr; the cell's sync token follows it.
 pub const STDERR_SYNC_PREFIX: &str = "TCHMEM_STDERR_SYNC ";
 
-/// The marker evcxr's rich output starts with: a line `EVCXR_BEGIN_CONTENT <mime>`, the
-/// content, and a line [`EVCXR_END_CONTENT`].
-pub const EVCXR_BEGIN_CONTENT: &str = "EVCXR_BEGIN_CONTENT";
-
-/// The line that ends a block of evcxr rich output.
-pub const EVCXR_END_CONTENT: &str = "EVCXR_END_CONTENT";
+/// evcxr's rich output (a line `EVCXR_BEGIN_CONTENT <mime>`, the content, a line
+/// `EVCXR_END_CONTENT`): defined beside the one thing every cell imports (the `tchmem-show`
+/// crate, which prints a cell's final value that way).
+pub use tchmem_show::{EVCXR_BEGIN_CONTENT, EVCXR_END_CONTENT};
 
 /// Prefix of a stdout line that carries a [`CellMessage`] as one line of JSON.
 pub const MESSAGE_PREFIX: &str = "TCHMEM_MSG ";
