@@ -55,11 +55,16 @@ impl AnalysisStd {
             tracing::debug!("evcxr's warm-up reads the standard library: {error}");
             return None;
         }
-        let crates_only = toolchain_library().and_then(|toolchain| {
-            let linked = root.join(CRATES_ONLY_LIBRARY);
+        let crates_only = toolchain_library(root).and_then(|toolchain| {
+            // One folder per toolchain: kernels on different toolchains may share the root.
+            let linked = root.join(CRATES_ONLY_LIBRARY).join(folder_name(&toolchain));
             link_crates(&toolchain, &linked)
                 .map_err(|error| {
-                    tracing::debug!("the analysis reads the library's workspace: {error}");
+                    tracing::warn!(
+                        "the code analysis reads the standard library's workspace (slower): \
+                         cannot link its crates into {}: {error}",
+                        linked.display()
+                    );
                 })
                 .ok()
                 .map(|()| linked)
@@ -84,41 +89,64 @@ impl AnalysisStd {
     }
 }
 
-/// The toolchain's `library/` (the `rust-src` component), if installed.
-fn toolchain_library() -> Option<PathBuf> {
+/// The toolchain's `library/` (the `rust-src` component), if installed: as rust-analyzer finds
+/// it, asking `rustc` in the compile slots' folder (a `rust-toolchain.toml` above it counts).
+fn toolchain_library(root: &Path) -> Option<PathBuf> {
     let output = Command::new("rustc")
         .args(["--print", "sysroot"])
+        .current_dir(root)
         .output()
-        .ok()?;
+        .ok()
+        .filter(|output| output.status.success())?;
     let sysroot = String::from_utf8(output.stdout).ok()?;
     let library = Path::new(sysroot.trim()).join("lib/rustlib/src/rust/library");
     library.join("std").is_dir().then_some(library)
 }
 
-/// Links every entry of `toolchain` but its workspace files into `linked`. Kernels sharing the
-/// compile root may do this at once: a link already right is kept, a wrong one replaced by a
-/// rename (never removed first), so a reader never finds a crate missing.
+/// A folder name that tells toolchains apart (a hash of the library's path).
+fn folder_name(toolchain: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    toolchain.hash(&mut hasher);
+    format!("{:016x}", hasher.finish())
+}
+
+/// Links every entry of `toolchain` but its workspace files into `linked`, and removes links to
+/// entries the toolchain no longer has. Kernels sharing the compile root may do this at once: a
+/// link already right is kept, a wrong one replaced by a rename (never removed first), so a
+/// reader never finds a crate missing.
 fn link_crates(toolchain: &Path, linked: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(linked)?;
+    let mut names = Vec::new();
     for entry in std::fs::read_dir(toolchain)? {
-        let entry = entry?;
-        let name = entry.file_name();
+        let name = entry?.file_name();
         if WORKSPACE_FILES.iter().any(|file| name == *file) {
             continue;
         }
-        let target = entry.path();
+        let target = toolchain.join(&name);
         let link = linked.join(&name);
+        names.push(name);
         if std::fs::read_link(&link).is_ok_and(|current| current == target) {
             continue;
         }
         let fresh = linked.join(format!(
             ".{}.{}",
-            name.to_string_lossy(),
+            link.file_name().unwrap_or_default().to_string_lossy(),
             std::process::id()
         ));
         let _ = std::fs::remove_file(&fresh);
         std::os::unix::fs::symlink(&target, &fresh)?;
-        std::fs::rename(&fresh, &link)?;
+        if let Err(error) = std::fs::rename(&fresh, &link) {
+            let _ = std::fs::remove_file(&fresh);
+            return Err(error);
+        }
+    }
+    for entry in std::fs::read_dir(linked)? {
+        let name = entry?.file_name();
+        // Dot names are other kernels' links on their way in.
+        if !name.to_string_lossy().starts_with('.') && !names.contains(&name) {
+            let _ = std::fs::remove_file(linked.join(&name));
+        }
     }
     Ok(())
 }
@@ -137,13 +165,16 @@ mod tests {
             std::fs::write(toolchain.join("Cargo.toml"), "[workspace]\n").unwrap();
             std::fs::write(toolchain.join("Cargo.lock"), "").unwrap();
         }
+        // A crate only the old toolchain has.
+        std::fs::create_dir_all(old.join("stdarch")).unwrap();
         link_crates(&old, &linked).unwrap();
         assert_eq!(
             std::fs::read_link(linked.join("std")).unwrap(),
             old.join("std")
         );
+        assert!(linked.join("stdarch").exists());
         assert!(!linked.join("Cargo.toml").exists() && !linked.join("Cargo.lock").exists());
-        // A new toolchain: the links follow it, and nothing else is left behind.
+        // A new toolchain in the same place: the links follow it, and nothing else is left.
         link_crates(&new, &linked).unwrap();
         assert_eq!(
             std::fs::read_link(linked.join("core")).unwrap(),
@@ -155,6 +186,7 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["core", "std"]);
+        assert_ne!(folder_name(&old), folder_name(&new));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

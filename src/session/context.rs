@@ -128,14 +128,16 @@ impl EngineConfig {
     }
 
     /// The `tchmem-show` crate: beside the runtime crate (in this repository and in an offline
-    /// bundle alike).
+    /// bundle alike), the same path cargo reads from the runtime's own `../show`.
     fn show_crate(&self) -> PathBuf {
-        self.runtime_crate.with_file_name("show")
+        let runtime = std::path::absolute(&self.runtime_crate).unwrap_or_default();
+        runtime.parent().unwrap_or(&runtime).join("show")
     }
 }
 
 /// `$TCHMEM_RUNTIME_DIR`; else `share/tchmem/runtime` beside the binary's `bin/` (an offline
 /// bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's sources.
+/// Its sibling crates `wire/` and `show/` sit beside it in each of these.
 fn runtime_crate_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("TCHMEM_RUNTIME_DIR") {
         return PathBuf::from(dir);
