@@ -28,6 +28,13 @@ def offline(command, env, timeout):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def write_notebook(path, cells):
+    """A notebook of code cells at `path`."""
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]),
+                   path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     root = tmp_path_factory.mktemp("offline")
@@ -93,9 +100,7 @@ def test_type_inference_offline_matches_online(bundle, tmp_path):
              "let lin = tch::nn::linear(vs.root(), 2, 1, Default::default());\n"
              "let mut opt = tch::nn::Adam::default().build(&vs, 1e-2).unwrap();",
              "opt.set_lr(1e-3); (lo, hi)"]
-    src = tmp_path / "infer.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]),
-                   src)
+    src = write_notebook(tmp_path / "infer.ipynb", cells)
     run = offline([root / "bundle" / "bin" / "tchmem", "execute", src, "--output",
                    tmp_path / "out.ipynb"], env, FIRST_CELL_TIMEOUT)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -124,9 +129,7 @@ def test_without_the_standard_librarys_workspace_crates_std_is_still_known(bundl
              "|(lo, hi), &x| (lo.min(x), hi.max(x)));\n"
              "let words = \"a b\".split(' ').map(String::from).collect::<Vec<_>>();",
              "(lo, hi, words.len())"]
-    src = tmp_path / "fallback.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]),
-                   src)
+    src = write_notebook(tmp_path / "fallback.ipynb", cells)
     for path in moved:
         path.rename(aside / path.name)
     try:
