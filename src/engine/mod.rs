@@ -26,6 +26,10 @@ use crate::session::PathCompletions;
 use crate::session::{Control, Session};
 use start_progress::Startup;
 
+/// How long a completion waits for the analysis when the path's members are remembered: well
+/// under the second after which JupyterLab drops an answer.
+const ANALYSIS_PATIENCE: Duration = Duration::from_millis(500);
+
 /// What the engine thread works on: the cells layer over the evcxr session.
 type Notebook = Cells<Session>;
 
@@ -150,24 +154,33 @@ impl Engine {
         })
     }
 
-    /// Completions at `cursor` (a character index). While the engine thread is busy, a path
-    /// it has seen before (`tch::Tensor::ze`) is answered at once from the remembered members;
-    /// a path of tch or std it has not seen is remembered after the analysis answered it.
+    /// Completions at `cursor` (a character index). A path seen before (`tch::Tensor::ze`) is
+    /// answered from its remembered members at once while the engine thread is busy, and when
+    /// the analysis takes longer than [`ANALYSIS_PATIENCE`] (it may be loading, or re-reading the
+    /// cells): a frontend drops a late answer. A path of tch or std not seen before is
+    /// remembered after the analysis answered it.
     pub fn complete(&self, code: String, cursor: usize) -> oneshot::Receiver<CompletionOutcome> {
+        let remembered = self.paths.answer(&code, cursor);
         if !self.idle.load(Ordering::SeqCst) {
-            if let Some(answer) = self.paths.answer(&code, cursor) {
+            if let Some(answer) = remembered {
                 let (tx, rx) = oneshot::channel();
                 let _ = tx.send(answer);
                 return rx;
             }
         }
         let unseen = self.paths.unseen_path(&code, cursor);
-        let answer = self.submit(move |session| session.runner_mut().complete(&code, cursor));
+        let (found_tx, found_rx) = mpsc::channel();
+        let job: Job = Box::new(move |session| {
+            let _ = found_tx.send(session.runner_mut().complete(&code, cursor));
+        });
+        if self.jobs.send(job).is_err() {
+            tracing::error!("the engine thread has stopped");
+        }
         if let Some(path) = unseen {
             let paths = Arc::clone(&self.paths);
             self.submit(move |session| session.runner_mut().remember_path(&path, &paths));
         }
-        answer
+        answer_in_time(found_rx, remembered, ANALYSIS_PATIENCE)
     }
 
     /// Asks the code analysis for the paths a start remembers (`tchmem prepare`: the first
@@ -195,5 +208,68 @@ impl Engine {
     /// `session::control`). Returns whether a cell was running.
     pub fn interrupt(&self) -> bool {
         self.control.interrupt(crate::session::interrupt_grace())
+    }
+}
+
+/// The analysis' answer from `found`, or `remembered` if it does not come within `patience`
+/// (without a remembered answer, the analysis' whenever it comes).
+fn answer_in_time(
+    found: mpsc::Receiver<CompletionOutcome>,
+    remembered: Option<CompletionOutcome>,
+    patience: Duration,
+) -> oneshot::Receiver<CompletionOutcome> {
+    let (tx, rx) = oneshot::channel();
+    std::thread::spawn(move || {
+        let answer = match remembered {
+            Some(fallback) => found.recv_timeout(patience).unwrap_or_else(|_| {
+                tracing::debug!("the analysis is slow: answered from remembered members");
+                fallback
+            }),
+            None => found.recv().unwrap_or_default(),
+        };
+        let _ = tx.send(answer);
+    });
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(name: &str) -> CompletionOutcome {
+        CompletionOutcome {
+            matches: vec![name.to_string()],
+            ..Default::default()
+        }
+    }
+
+    /// Sends `name` after `delay`, as an engine thread busy for that long would.
+    fn analysis_answering(name: &str, delay: Duration) -> mpsc::Receiver<CompletionOutcome> {
+        let (tx, rx) = mpsc::channel();
+        let answer = outcome(name);
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let _ = tx.send(answer);
+        });
+        rx
+    }
+
+    #[test]
+    fn a_quick_analysis_answers_and_a_slow_one_gives_way_to_the_remembered_members() {
+        let patience = Duration::from_millis(200);
+        let quick = analysis_answering("analysis", Duration::ZERO);
+        let answer = answer_in_time(quick, Some(outcome("remembered")), patience);
+        assert_eq!(answer.blocking_recv().unwrap().matches, ["analysis"]);
+
+        let slow = analysis_answering("analysis", Duration::from_secs(2));
+        let started = std::time::Instant::now();
+        let answer = answer_in_time(slow, Some(outcome("remembered")), patience);
+        assert_eq!(answer.blocking_recv().unwrap().matches, ["remembered"]);
+        assert!(started.elapsed() < Duration::from_secs(1));
+
+        // Nothing remembered: the analysis is waited for.
+        let slow = analysis_answering("analysis", Duration::from_millis(400));
+        let answer = answer_in_time(slow, None, patience);
+        assert_eq!(answer.blocking_recv().unwrap().matches, ["analysis"]);
     }
 }
