@@ -1,28 +1,13 @@
 //! Compiles the C++ shim (csrc/) against the same libtorch as torch-sys, which reports its
 //! location to crates that depend on it directly (`links = "tch"` → DEP_TCH_LIBTORCH_LIB).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-fn main() {
-    println!("cargo:rerun-if-changed=csrc");
-    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
-        .expect("torch-sys did not report libtorch's location (DEP_TCH_LIBTORCH_LIB)");
-    let torch = PathBuf::from(lib)
-        .parent()
-        .expect("libtorch's lib directory has a parent")
-        .to_path_buf();
-    cc::Build::new()
+/// A C++ build against libtorch's headers (under `torch`), with libtorch's own settings.
+fn shim_build(torch: &Path) -> cc::Build {
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
-        .file("csrc/memory.cpp")
-        .file("csrc/checkpoint.cpp")
-        .file("csrc/stored_input.cpp")
-        .file("csrc/autocast.cpp")
-        .file("csrc/adam.cpp")
-        .file("csrc/stack.cpp")
-        .file("csrc/grad.cpp")
-        .file("csrc/fused_loss.cpp")
-        .file("csrc/step_in_backward.cpp")
-        .file("csrc/op_trace.cpp")
         .include(torch.join("include"))
         .include(torch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")
@@ -36,8 +21,38 @@ fn main() {
         // GCC would otherwise inline a CUDA-runtime call from a header into the object, which
         // the linker then cannot resolve (notes/libtorch.md).
         .flag("-fno-devirtualize-speculatively")
-        .warnings(false)
+        .warnings(false);
+    build
+}
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc");
+    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
+        .expect("torch-sys did not report libtorch's location (DEP_TCH_LIBTORCH_LIB)");
+    let torch = PathBuf::from(lib)
+        .parent()
+        .expect("libtorch's lib directory has a parent")
+        .to_path_buf();
+    shim_build(&torch)
+        .file("csrc/memory.cpp")
+        .file("csrc/checkpoint.cpp")
+        .file("csrc/stored_input.cpp")
+        .file("csrc/autocast.cpp")
+        .file("csrc/adam.cpp")
+        .file("csrc/stack.cpp")
+        .file("csrc/grad.cpp")
+        .file("csrc/fused_loss.cpp")
+        .file("csrc/step_in_backward.cpp")
+        .file("csrc/op_trace.cpp")
         .compile("tchmem_shim");
+
+    // The process group (csrc/dist.cpp): libtorch's ProcessGroupGloo, whose header includes
+    // Gloo's, which pip's torch does not ship; gloo_declarations/ declares what it names.
+    shim_build(&torch)
+        .file("csrc/dist.cpp")
+        .include("csrc/gloo_declarations")
+        .define("USE_C10D_GLOO", None)
+        .compile("tchmem_dist_shim");
 
     // The OOM observer, the allocation history and the memory fraction need CUDA headers:
     // torch's nvidia wheels have all but crt/, which scripts/setup installs (nvidia-cuda-crt).
@@ -60,21 +75,12 @@ fn main() {
         dir.join("crt/host_config.h").exists() && dir.join("cuda_runtime_api.h").exists()
     });
     if let Some(cuda_include) = found {
-        cc::Build::new()
-            .cpp(true)
+        shim_build(&torch)
             .file("csrc/oom_observer.cpp")
             .file("csrc/history.cpp")
             .file("csrc/memory_fraction.cpp")
             .file("csrc/alloc_trace.cpp")
-            .include(torch.join("include"))
-            .include(torch.join("include/torch/csrc/api/include"))
             .include(cuda_include)
-            .flag("-std=c++17")
-            .define("_GLIBCXX_USE_CXX11_ABI", "1")
-            .define("GLOG_USE_GLOG_EXPORT", None)
-            .define("NDEBUG", None)
-            .flag("-fno-devirtualize-speculatively")
-            .warnings(false)
             .compile("tchmem_cuda_shim");
         println!("cargo:rustc-cfg=tchmem_cuda_headers");
     } else {

@@ -25,6 +25,20 @@ pub enum RuntimeError {
     /// newer ones); their identifiers.
     #[error("no operator recordings {0}, {1} (only the newest are kept)")]
     NoOpRecording(u64, u64),
+    /// A collective of the process group failed on this rank (another rank stopped, or did not
+    /// reach it within the group's timeout); which and what libtorch said.
+    #[error(
+        "rank {rank}: {what} failed: {why}. Another rank may have stopped or not reached it \
+         (each collective waits up to the group's timeout, TCHMEM_DIST_TIMEOUT_S)"
+    )]
+    Dist {
+        /// The rank this process is.
+        rank: usize,
+        /// The collective (`an all-reduce`).
+        what: String,
+        /// libtorch's message.
+        why: String,
+    },
     /// An argument outside what the call accepts; which and why.
     #[error("{0}")]
     Invalid(String),

@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod compare;
 pub mod cuda_stats;
 pub mod display;
+pub mod dist;
 pub mod error;
 pub mod estimate;
 mod ffi;

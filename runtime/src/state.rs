@@ -100,6 +100,18 @@ pub struct OpRecordings {
     pub(crate) recording: Option<u64>,
 }
 
+/// The process group this process joined (see dist/): a C++ object made by one cell's copy of
+/// the shim and used by every later cell's.
+#[derive(Debug, Clone, Copy)]
+pub struct DistGroup {
+    /// This process's rank.
+    pub(crate) rank: usize,
+    /// How many ranks the group has.
+    pub(crate) world_size: usize,
+    /// The address of the group (a `c10::intrusive_ptr<c10d::Backend>` on the heap).
+    pub(crate) address: usize,
+}
+
 /// What the session start measured, if it ran on CUDA.
 pub(crate) fn at_start() -> Option<AtStart> {
     *lock(&shared().at_start)
@@ -124,6 +136,8 @@ pub struct Shared {
     pub op_recordings: Mutex<OpRecordings>,
     /// The address of the process's allocation log, 0 before it is made (see alloc_trace.rs).
     pub alloc_log: Mutex<usize>,
+    /// The process group this process is a rank of (see dist/).
+    pub dist: Mutex<Option<DistGroup>>,
 }
 
 /// Identifies this build's `Shared` layout: copies built from other sources must not share it.
@@ -162,6 +176,7 @@ pub fn shared() -> &'static Shared {
                 timeline: Mutex::new(None),
                 op_recordings: Mutex::new(OpRecordings::default()),
                 alloc_log: Mutex::new(0),
+                dist: Mutex::new(None),
             }))
         };
         let Some(slot) = child_slot() else {

@@ -1,0 +1,20 @@
+// See ../../README.md: the interface ProcessGroupGloo.hpp's GlooStore overrides. The runtime never
+// makes a GlooStore (libtorch's constructor of the process group does), so only the names matter.
+#pragma once
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace gloo {
+namespace rendezvous {
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::vector<char>& data) = 0;
+  virtual std::vector<char> get(const std::string& key) = 0;
+  virtual void wait(const std::vector<std::string>& keys) = 0;
+  virtual void wait(const std::vector<std::string>& keys,
+                    const std::chrono::milliseconds& timeout) = 0;
+};
+}  // namespace rendezvous
+}  // namespace gloo

@@ -1,0 +1,3 @@
+// See ../../README.md: declarations only, for ProcessGroupGloo.hpp.
+#pragma once
+#include "gloo/context.h"

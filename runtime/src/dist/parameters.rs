@@ -1,0 +1,120 @@
+//! A model's parameters and gradients across the ranks: the same start everywhere, and each
+//! step's gradients averaged, in buckets (one collective per bucket, not per tensor).
+
+use tch::nn::VarStore;
+use tch::Tensor;
+
+use super::group::{all_reduce, broadcast, world_size, ReduceOp};
+use crate::error::Result;
+
+/// The most bytes of gradients one all-reduce carries (PyTorch DDP's default bucket, 25 MiB).
+pub const BUCKET_BYTES: usize = 25 << 20;
+
+/// The store's variables in name order: the same order on every rank whatever the order the
+/// model made them in.
+fn by_name(vs: &VarStore) -> Vec<Tensor> {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, tensor)| tensor).collect()
+}
+
+/// Copies rank 0's variables (parameters and buffers such as BatchNorm's statistics) into every
+/// rank's store, so that all start from the same model. Call once, after building the model.
+pub fn broadcast_parameters(vs: &VarStore) -> Result<()> {
+    if world_size() == 1 {
+        return Ok(());
+    }
+    let _no_grad = tch::no_grad_guard();
+    for mut variable in by_name(vs) {
+        broadcast(&mut variable, 0)?;
+    }
+    Ok(())
+}
+
+/// Replaces each trainable variable's gradient with its mean over the ranks: after it, a step
+/// on every rank is the step of one process on the whole batch (when the ranks' batches are
+/// equal shares of it and the loss is a mean). Every rank must have the same gradients defined
+/// (a variable without one is left out on every rank).
+pub fn all_reduce_gradients(vs: &VarStore) -> Result<()> {
+    let world = world_size();
+    if world == 1 {
+        return Ok(());
+    }
+    let _no_grad = tch::no_grad_guard();
+    let gradients: Vec<Tensor> = by_name(vs)
+        .iter()
+        .filter(|variable| variable.requires_grad())
+        .map(Tensor::grad)
+        .filter(Tensor::defined)
+        .collect();
+    for bucket in buckets(&gradients) {
+        average(bucket, world)?;
+    }
+    Ok(())
+}
+
+/// Consecutive gradients of one kind and device, up to [`BUCKET_BYTES`] each (a larger gradient
+/// is a bucket of its own).
+fn buckets(gradients: &[Tensor]) -> Vec<&[Tensor]> {
+    let mut buckets = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (index, gradient) in gradients.iter().enumerate() {
+        let size = gradient.numel() * gradient.kind().elt_size_in_bytes();
+        let same = index > start
+            && gradient.kind() == gradients[start].kind()
+            && gradient.device() == gradients[start].device();
+        if index > start && (!same || bytes + size > BUCKET_BYTES) {
+            buckets.push(&gradients[start..index]);
+            (start, bytes) = (index, 0);
+        }
+        bytes += size;
+    }
+    if start < gradients.len() {
+        buckets.push(&gradients[start..]);
+    }
+    buckets
+}
+
+/// Averages one bucket's gradients over `world` ranks, in place.
+fn average(bucket: &[Tensor], world: usize) -> Result<()> {
+    let mut flat = Tensor::cat(
+        &bucket.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
+        0,
+    );
+    all_reduce(&mut flat, ReduceOp::Sum)?;
+    let _ = flat.g_div_scalar_(world as f64);
+    let mut offset = 0;
+    for gradient in bucket {
+        let numel = gradient.numel() as i64;
+        let mut target = gradient.shallow_clone();
+        target.copy_(&flat.narrow(0, offset, numel).view_as(gradient));
+        offset += numel;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn buckets_keep_kinds_apart_and_stay_under_the_size() {
+        let floats = |n: i64| Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        let doubles = |n: i64| Tensor::zeros([n], (Kind::Double, Device::Cpu));
+        let quarter = (BUCKET_BYTES / 4 / 4) as i64; // a quarter of a bucket, in f32
+        let gradients = vec![
+            floats(quarter),
+            floats(quarter),
+            doubles(8),
+            doubles(8),
+            floats(quarter * 3),
+            floats(quarter * 2),
+            floats(quarter * 5),
+        ];
+        let sizes: Vec<usize> = buckets(&gradients).iter().map(|b| b.len()).collect();
+        // f32 ×2 | f64 ×2 | ¾ bucket | ½ bucket (¾ + ½ is over) | a gradient larger than a bucket
+        assert_eq!(sizes, [2, 2, 1, 1, 1]);
+        assert!(buckets(&[]).is_empty());
+    }
+}

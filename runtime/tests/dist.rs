@@ -1,0 +1,246 @@
+//! The process group across real processes: this test binary starts itself as each rank (a
+//! test that finds `RANK_VARIABLE` set plays that rank and exits), on CPU with Gloo.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::nn::{self, Module, OptimizerConfig, VarStore};
+use tch::{Device, Kind, Tensor};
+use tchmem::dist::{self, Setup};
+
+/// Set in a rank's process: its rank.
+const RANK_VARIABLE: &str = "TCHMEM_DIST_TEST_RANK";
+/// Set in a rank's process: the folder it meets the others in and writes its results to.
+const DIR_VARIABLE: &str = "TCHMEM_DIST_TEST_DIR";
+const WORLD: usize = 2;
+const BATCH: i64 = 8;
+const STEPS: usize = 3;
+
+/// Starts `test` of this binary as each of `world` ranks; their exit statuses, in rank order.
+fn run_ranks(test: &str, world: usize, dir: &Path) -> Vec<std::process::ExitStatus> {
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(RANK_VARIABLE, rank.to_string())
+                .env(DIR_VARIABLE, dir)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|mut child| child.wait().unwrap())
+        .collect()
+}
+
+/// This process's rank and folder when it plays a rank.
+fn as_rank() -> Option<(usize, PathBuf)> {
+    let rank = std::env::var(RANK_VARIABLE).ok()?.parse().ok()?;
+    Some((rank, PathBuf::from(std::env::var_os(DIR_VARIABLE)?)))
+}
+
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tchmem-dist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn join(rank: usize, dir: &Path, timeout: Duration) {
+    dist::init(&Setup {
+        rank,
+        world_size: WORLD,
+        store: dir.join("store"),
+        timeout,
+    })
+    .unwrap();
+}
+
+/// The whole batch, the same in every process.
+fn batch() -> (Tensor, Tensor) {
+    tch::manual_seed(7);
+    let x = Tensor::randn([BATCH, 6], (Kind::Double, Device::Cpu));
+    let y = Tensor::randn([BATCH, 1], (Kind::Double, Device::Cpu));
+    (x, y)
+}
+
+/// A small net in f64 drawn from `seed`, and SGD with momentum over it.
+fn model(seed: i64) -> (VarStore, impl Module, nn::Optimizer) {
+    tch::manual_seed(seed);
+    let mut vs = VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "l1", 6, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", 16, 1, Default::default()));
+    vs.double();
+    let opt = nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(&vs, 0.05)
+    .unwrap();
+    (vs, net, opt)
+}
+
+/// `STEPS` steps on `rows` of the batch; the variables after them, by name.
+fn train(
+    vs: &VarStore,
+    net: &impl Module,
+    opt: &mut nn::Optimizer,
+    rows: (i64, i64),
+) -> Vec<(String, Tensor)> {
+    let (x, y) = batch();
+    let (x, y) = (x.narrow(0, rows.0, rows.1), y.narrow(0, rows.0, rows.1));
+    for _ in 0..STEPS {
+        opt.zero_grad();
+        net.forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        dist::all_reduce_gradients(vs).unwrap();
+        opt.step();
+    }
+    let mut named: Vec<_> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+/// As rank 0: an all-reduce that must fail; how long it took and its error, written to `dir`.
+fn report_failed_all_reduce(dir: &Path) {
+    let started = Instant::now();
+    let mut tensor = Tensor::ones([4], (Kind::Float, Device::Cpu));
+    let error = dist::all_reduce(&mut tensor, dist::ReduceOp::Sum).unwrap_err();
+    let report = format!("{:.1}\n{error}", started.elapsed().as_secs_f64());
+    std::fs::write(dir.join("rank0.txt"), report).unwrap();
+    dist::shutdown();
+}
+
+/// What [`report_failed_all_reduce`] wrote: seconds and the error, which names rank 0.
+fn failed_all_reduce(dir: &Path) -> (f64, String) {
+    let report = std::fs::read_to_string(dir.join("rank0.txt")).unwrap();
+    let (seconds, text) = report.split_once('\n').unwrap();
+    assert!(text.starts_with("rank 0: an all-reduce failed"), "{text}");
+    (seconds.parse().unwrap(), text.to_string())
+}
+
+#[test]
+fn two_gloo_ranks_on_half_batches_step_like_one_process_on_the_whole_batch() {
+    const TEST: &str = "two_gloo_ranks_on_half_batches_step_like_one_process_on_the_whole_batch";
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(60));
+        assert_eq!((dist::rank(), dist::world_size()), (rank, WORLD));
+        // Each rank draws its own model: the broadcast must give them rank 0's.
+        let (vs, net, mut opt) = model(100 + rank as i64);
+        dist::broadcast_parameters(&vs).unwrap();
+        let share = BATCH / WORLD as i64;
+        let trained = train(&vs, &net, &mut opt, (rank as i64 * share, share));
+        let (names, tensors): (Vec<_>, Vec<_>) = trained.into_iter().unzip();
+        Tensor::save_multi(
+            &names
+                .iter()
+                .zip(&tensors)
+                .map(|(n, t)| (n.as_str(), t))
+                .collect::<Vec<_>>(),
+            dir.join(format!("rank{rank}.ot")),
+        )
+        .unwrap();
+        dist::shutdown();
+        return;
+    }
+    let dir = fresh_dir("step");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert!(statuses.iter().all(|s| s.success()), "{statuses:?}");
+    let reference = {
+        let _turn = common::rng_turn();
+        // No group here: a world of 1, where the collectives do nothing.
+        assert_eq!((dist::rank(), dist::world_size()), (0, 1));
+        let (vs, net, mut opt) = model(100);
+        train(&vs, &net, &mut opt, (0, BATCH))
+    };
+    for rank in 0..WORLD {
+        let saved = Tensor::load_multi(dir.join(format!("rank{rank}.ot"))).unwrap();
+        assert_eq!(saved.len(), reference.len());
+        for ((name, ours), (ref_name, theirs)) in saved.iter().zip(&reference) {
+            assert_eq!(name, ref_name);
+            let gap = (ours - theirs).abs().max().double_value(&[]);
+            assert!(
+                gap <= 1e-10,
+                "rank {rank}, {name}: {gap:e} from one process"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for() {
+    const TEST: &str = "a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for";
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(5));
+        if rank == 1 {
+            // A crash between joining and the first collective.
+            std::process::exit(3);
+        }
+        report_failed_all_reduce(&dir);
+        return;
+    }
+    let dir = fresh_dir("stop");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert_eq!(statuses[1].code(), Some(3));
+    assert!(statuses[0].success(), "{statuses:?}");
+    let (seconds, text) = failed_all_reduce(&dir);
+    assert!(text.contains("Another rank may have stopped"), "{text}");
+    // Within the group's timeout (5 s), with room for a loaded machine.
+    assert!(seconds < 30.0, "{seconds} s: {text}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_the_collective_out() {
+    const TEST: &str = "a_rank_that_never_arrives_times_the_collective_out";
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(2));
+        if rank == 1 {
+            // Alive, connected, and busy elsewhere for longer than the timeout.
+            std::thread::sleep(Duration::from_secs(6));
+            dist::shutdown();
+            return;
+        }
+        report_failed_all_reduce(&dir);
+        return;
+    }
+    let dir = fresh_dir("late");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert!(statuses[0].success(), "{statuses:?}");
+    let (seconds, text) = failed_all_reduce(&dir);
+    assert!(text.to_lowercase().contains("timed out"), "{text}");
+    // The timeout (2 s), not the other rank's 6 s.
+    assert!((1.5..5.5).contains(&seconds), "{seconds} s: {text}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn bad_setups_are_explained() {
+    if as_rank().is_some() {
+        return;
+    }
+    let setup = Setup {
+        rank: 2,
+        world_size: 2,
+        store: std::env::temp_dir().join("tchmem-dist-never"),
+        timeout: Duration::from_secs(1),
+    };
+    let error = dist::init(&setup).unwrap_err().to_string();
+    assert!(error.contains("rank 2 of 2"), "{error}");
+    // Without a group, collectives have nothing to wait for.
+    let mut tensor = Tensor::ones([3], (Kind::Float, Device::Cpu));
+    dist::all_reduce(&mut tensor, dist::ReduceOp::Sum).unwrap();
+    assert_eq!(tensor.sum(Kind::Float).double_value(&[]), 3.0);
+    assert!(dist::barrier().is_ok());
+}
