@@ -1,7 +1,8 @@
 // A process group of libtorch's c10d (Gloo over TCP on this host, rendezvous through a file), for
 // data parallel training across processes. Made once per process; every cell's copy of the shim
-// uses it through its address (kept in the runtime's process-wide state), and calls only its
-// virtual methods, which live in libtorch. See gloo_declarations/README.md for the Gloo headers.
+// uses it through its address (kept in the runtime's process-wide state). Only virtual calls
+// through c10d::Backend, and libtorch's exported constructor: gloo_declarations/ (see its README)
+// stands in for Gloo's headers, so nothing inline that touches Gloo may be called here.
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -13,8 +14,13 @@ using Group = c10::intrusive_ptr<c10d::Backend>;
 
 Group& group_at(void* address) { return *static_cast<Group*>(address); }
 
-// Gloo takes one tensor per collective (a list is one tensor per device of a process).
-std::vector<at::Tensor> one(at::Tensor* tensor) { return {*tensor}; }
+// Gloo takes one tensor per collective (a list is one tensor per device of a process), and
+// reads and writes its elements from its data pointer on: it must be contiguous (the Rust side
+// passes a contiguous copy otherwise).
+std::vector<at::Tensor> one(at::Tensor* tensor) {
+  TORCH_CHECK(tensor->is_contiguous(), "a collective needs a contiguous tensor");
+  return {*tensor};
+}
 
 c10d::ReduceOp reduce_op(int op) {
   switch (op) {
@@ -75,6 +81,33 @@ int tchmem_dist_broadcast(void* group, at::Tensor* tensor, int root, char* err, 
         c10d::BroadcastOptions options;
         options.rootRank = root;
         group_at(group)->broadcast(tensors, options)->wait();
+      },
+      err, err_len);
+}
+
+// Every rank's `input` side by side, in rank order, into `output` (world size × its elements).
+int tchmem_dist_all_gather(void* group, at::Tensor* output, at::Tensor* input, char* err,
+                           size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        TORCH_CHECK(output->is_contiguous() && input->is_contiguous(),
+                    "an all-gather needs contiguous tensors");
+        group_at(group)->_allgather_base(*output, *input)->wait();
+      },
+      err, err_len);
+}
+
+// `input` (world size × `output`'s elements) reduced across the ranks; this rank's share of the
+// result (its rank's slice) into `output`.
+int tchmem_dist_reduce_scatter(void* group, at::Tensor* output, at::Tensor* input, int op,
+                               char* err, size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        TORCH_CHECK(output->is_contiguous() && input->is_contiguous(),
+                    "a reduce-scatter needs contiguous tensors");
+        c10d::ReduceScatterOptions options;
+        options.reduceOp = reduce_op(op);
+        group_at(group)->_reduce_scatter_base(*output, *input, options)->wait();
       },
       err, err_len);
 }

@@ -29,7 +29,8 @@ pub enum RuntimeError {
     /// reach it within the group's timeout); which and what libtorch said.
     #[error(
         "rank {rank}: {what} failed: {why}. Another rank may have stopped or not reached it \
-         (each collective waits up to the group's timeout, TCHMEM_DIST_TIMEOUT_S)"
+         (each collective waits up to the group's timeout, TCHMEM_DIST_TIMEOUT_S); the group \
+         is out of step now: tchmem::dist::shutdown(), then init a new one"
     )]
     Dist {
         /// The rank this process is.

@@ -94,7 +94,8 @@ pub fn keep(store: &VarStore) -> Kept {
 }
 
 /// Sets `tensor`'s gradient to `grad` (none for `None`).
-fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
+/// Sets `tensor`'s gradient to `grad`, or removes it (a failure is reported, not raised).
+pub(crate) fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
     let grad_ptr = grad.map_or(std::ptr::null(), |g| g.as_ptr());
     let result =
         ffi::call(|err, len| unsafe { tchmem_set_grad(tensor.as_mut_ptr(), grad_ptr, err, len) });

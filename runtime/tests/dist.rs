@@ -179,6 +179,93 @@ fn two_gloo_ranks_on_half_batches_step_like_one_process_on_the_whole_batch() {
 }
 
 #[test]
+fn all_gather_and_reduce_scatter_split_and_join_flat_shards_in_rank_order() {
+    const TEST: &str = "all_gather_and_reduce_scatter_split_and_join_flat_shards_in_rank_order";
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(60));
+        let r = rank as f64;
+        // Rank r holds [r+1, r+1, r+1] as a 1×3 tensor.
+        let shard = Tensor::full([1, 3], r + 1.0, (Kind::Double, Device::Cpu));
+        let gathered = dist::all_gather(&shard).unwrap();
+        // Rank r holds [10r, 10r+1, 10r+2, 10r+3]; rank 0 keeps the first half of the sum.
+        let full = Tensor::arange(4, (Kind::Double, Device::Cpu)) + 10.0 * r;
+        let summed = dist::reduce_scatter(&full, dist::ReduceOp::Sum).unwrap();
+        let odd = Tensor::zeros([3], (Kind::Double, Device::Cpu));
+        let refused = dist::reduce_scatter(&odd, dist::ReduceOp::Sum).unwrap_err();
+        let line = |t: &Tensor| Vec::<f64>::try_from(t).unwrap();
+        let report = format!("{:?}\n{:?}\n{refused}", line(&gathered), line(&summed));
+        std::fs::write(dir.join(format!("rank{rank}.txt")), report).unwrap();
+        dist::shutdown();
+        return;
+    }
+    let dir = fresh_dir("shards");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert!(statuses.iter().all(|s| s.success()), "{statuses:?}");
+    let read = |rank: usize| std::fs::read_to_string(dir.join(format!("rank{rank}.txt"))).unwrap();
+    let (zero, one) = (read(0), read(1));
+    let zero: Vec<&str> = zero.lines().collect();
+    let one: Vec<&str> = one.lines().collect();
+    assert_eq!(zero[0], "[1.0, 1.0, 1.0, 2.0, 2.0, 2.0]");
+    assert_eq!(one[0], zero[0]);
+    // The sum is [10, 12, 14, 16]: rank 0 keeps [10, 12], rank 1 [14, 16].
+    assert_eq!(zero[1], "[10.0, 12.0]");
+    assert_eq!(one[1], "[14.0, 16.0]");
+    assert!(zero[2].contains("pad it to a multiple"), "{}", zero[2]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn strided_tensors_and_gradients_only_some_ranks_have_are_reduced_right() {
+    const TEST: &str = "strided_tensors_and_gradients_only_some_ranks_have_are_reduced_right";
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(60));
+        let r = rank as f64;
+        // A transposed (strided) tensor, reduced by its largest elements.
+        let mut strided = (Tensor::arange(6, (Kind::Double, Device::Cpu)) * (r + 1.0))
+            .reshape([2, 3])
+            .tr();
+        dist::all_reduce(&mut strided, dist::ReduceOp::Max).unwrap();
+        // `a` is used on every rank, `b` only on rank 0, `c` on none.
+        let vs = VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let a = root.var("a", &[2], nn::Init::Const(1.0));
+        let b = root.var("b", &[2], nn::Init::Const(1.0));
+        let c = root.var("c", &[2], nn::Init::Const(1.0));
+        let mut loss = (&a * (r + 1.0)).sum(Kind::Double);
+        if rank == 0 {
+            loss += (&b * 4.0).sum(Kind::Double);
+        }
+        loss.backward();
+        dist::all_reduce_gradients(&vs).unwrap();
+        let line = |t: &Tensor| Vec::<f64>::try_from(t.reshape([-1])).unwrap();
+        let report = format!(
+            "{:?}\n{:?}\n{:?}\n{}",
+            line(&strided.contiguous()),
+            line(&a.grad()),
+            line(&b.grad()),
+            c.grad().defined()
+        );
+        std::fs::write(dir.join(format!("rank{rank}.txt")), report).unwrap();
+        dist::shutdown();
+        return;
+    }
+    let dir = fresh_dir("strided");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert!(statuses.iter().all(|s| s.success()), "{statuses:?}");
+    for rank in 0..WORLD {
+        let report = std::fs::read_to_string(dir.join(format!("rank{rank}.txt"))).unwrap();
+        let lines: Vec<&str> = report.lines().collect();
+        // Rank 1's values (twice rank 0's) win the max, read in the transposed order.
+        assert_eq!(lines[0], "[0.0, 6.0, 2.0, 8.0, 4.0, 10.0]", "rank {rank}");
+        // a: the mean of 1 and 2; b: the mean of 4 and rank 1's zeros; c: still none.
+        assert_eq!(lines[1], "[1.5, 1.5]", "rank {rank}");
+        assert_eq!(lines[2], "[2.0, 2.0]", "rank {rank}");
+        assert_eq!(lines[3], "false", "rank {rank}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for() {
     const TEST: &str = "a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for";
     if let Some((rank, dir)) = as_rank() {
@@ -196,8 +283,8 @@ fn a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for() {
     assert!(statuses[0].success(), "{statuses:?}");
     let (seconds, text) = failed_all_reduce(&dir);
     assert!(text.contains("Another rank may have stopped"), "{text}");
-    // Within the group's timeout (5 s), with room for a loaded machine.
-    assert!(seconds < 30.0, "{seconds} s: {text}");
+    // Sooner than the group's timeout (5 s): the closed connection says so.
+    assert!(seconds < 4.5, "{seconds} s: {text}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -205,10 +292,10 @@ fn a_rank_that_stops_is_reported_by_the_others_instead_of_waited_for() {
 fn a_rank_that_never_arrives_times_the_collective_out() {
     const TEST: &str = "a_rank_that_never_arrives_times_the_collective_out";
     if let Some((rank, dir)) = as_rank() {
-        join(rank, &dir, Duration::from_secs(2));
+        join(rank, &dir, Duration::from_secs(3));
         if rank == 1 {
             // Alive, connected, and busy elsewhere for longer than the timeout.
-            std::thread::sleep(Duration::from_secs(6));
+            std::thread::sleep(Duration::from_secs(8));
             dist::shutdown();
             return;
         }
@@ -220,8 +307,8 @@ fn a_rank_that_never_arrives_times_the_collective_out() {
     assert!(statuses[0].success(), "{statuses:?}");
     let (seconds, text) = failed_all_reduce(&dir);
     assert!(text.to_lowercase().contains("timed out"), "{text}");
-    // The timeout (2 s), not the other rank's 6 s.
-    assert!((1.5..5.5).contains(&seconds), "{seconds} s: {text}");
+    // The timeout (3 s), not the other rank's 8 s.
+    assert!((2.5..7.5).contains(&seconds), "{seconds} s: {text}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

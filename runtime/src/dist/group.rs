@@ -2,6 +2,7 @@
 //! links its own copy of this crate; the C++ object is one), ended by [`shutdown`].
 
 use std::ffi::{c_char, c_int, c_void, CString};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -15,6 +16,8 @@ use crate::state::{lock, shared, DistGroup};
 /// How long a collective waits for the other ranks before it fails (a rank that crashed or never
 /// reached it): `TCHMEM_DIST_TIMEOUT_S` overrides it.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest timeout taken (c10d adds it to the clock's time: no overflow).
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// Where this process stands in a group, and how the ranks meet.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,11 +52,16 @@ impl Setup {
             })
         };
         let timeout = match std::env::var("TCHMEM_DIST_TIMEOUT_S") {
-            Ok(text) => Duration::from_secs_f64(text.trim().parse().map_err(|_| {
-                RuntimeError::Invalid(format!(
-                    "TCHMEM_DIST_TIMEOUT_S is {text:?}, not a number of seconds"
-                ))
-            })?),
+            Ok(text) => text
+                .trim()
+                .parse()
+                .ok()
+                .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok())
+                .ok_or_else(|| {
+                    RuntimeError::Invalid(format!(
+                        "TCHMEM_DIST_TIMEOUT_S is {text:?}, not a number of seconds"
+                    ))
+                })?,
             Err(_) => DEFAULT_TIMEOUT,
         };
         Ok(Setup {
@@ -102,6 +110,21 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn tchmem_dist_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tchmem_dist_all_gather(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_dist_reduce_scatter(
+        group: *mut c_void,
+        output: *mut C_tensor,
+        input: *mut C_tensor,
+        op: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// Joins the group `setup` describes; returns once every rank has joined (or fails after the
@@ -120,23 +143,49 @@ pub fn init(setup: &Setup) -> Result<()> {
             group.rank, group.world_size
         )));
     }
-    let store = CString::new(setup.store.to_string_lossy().as_bytes())
-        .map_err(|_| RuntimeError::Invalid("the store's path holds a NUL byte".into()))?;
-    let timeout_ms = i64::try_from(setup.timeout.as_millis()).unwrap_or(i64::MAX);
+    if setup.timeout < Duration::from_millis(1) || setup.timeout > MAX_TIMEOUT {
+        return Err(RuntimeError::Invalid(format!(
+            "a timeout of {:?}: give one from 1 ms to a day",
+            setup.timeout
+        )));
+    }
+    let (Ok(rank), Ok(size)) = (
+        c_int::try_from(setup.rank),
+        c_int::try_from(setup.world_size),
+    ) else {
+        return Err(RuntimeError::Invalid(format!(
+            "a world of {} ranks is more than c10d takes",
+            setup.world_size
+        )));
+    };
+    let store = CString::new(setup.store.as_os_str().as_bytes()).map_err(|_| {
+        RuntimeError::Invalid(format!(
+            "the store's path {:?} holds a NUL byte: give another",
+            setup.store
+        ))
+    })?;
+    let timeout_ms = setup.timeout.as_millis() as i64;
     let mut address: *mut c_void = std::ptr::null_mut();
     // SAFETY: the shim writes a new group's address into `address` when it returns 0.
     ffi::call(|err, len| unsafe {
         tchmem_dist_new_gloo(
             store.as_ptr(),
-            setup.rank as c_int,
-            setup.world_size as c_int,
+            rank,
+            size,
             timeout_ms,
             &mut address,
             err,
             len,
         )
     })
-    .map_err(|error| failed(setup.rank, "joining the group", error))?;
+    .map_err(|error| RuntimeError::Dist {
+        rank: setup.rank,
+        what: "joining the group".into(),
+        why: format!(
+            "{error} (every rank must start within the timeout and give the same store path; \
+             a store file left by an earlier group must be removed first)"
+        ),
+    })?;
     *current = Some(DistGroup {
         rank: setup.rank,
         world_size: setup.world_size,
@@ -172,16 +221,41 @@ pub fn barrier() -> Result<()> {
     })
 }
 
+impl ReduceOp {
+    /// The shim's number for it.
+    fn code(self) -> c_int {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Max => 1,
+            ReduceOp::Min => 2,
+        }
+    }
+}
+
 /// Combines `tensor` across the ranks, in place: after it every rank holds the result.
 pub fn all_reduce(tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
-    let op = match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 1,
-        ReduceOp::Min => 2,
-    };
-    let pointer = tensor.as_mut_ptr();
-    collective("an all-reduce", |group, err, len| unsafe {
-        tchmem_dist_all_reduce(group, pointer, op, err, len)
+    let op = op.code();
+    through_contiguous(tensor, |tensor| {
+        let pointer = tensor.as_mut_ptr();
+        collective("an all-reduce", |group, err, len| unsafe {
+            tchmem_dist_all_reduce(group, pointer, op, err, len)
+        })
+    })
+}
+
+/// Runs `collective` on `tensor`, or on a contiguous copy that is then copied back (Gloo reads
+/// and writes a tensor's elements from its data pointer on).
+fn through_contiguous(
+    tensor: &mut Tensor,
+    collective: impl FnOnce(&mut Tensor) -> Result<()>,
+) -> Result<()> {
+    if tensor.is_contiguous() {
+        return collective(tensor);
+    }
+    let mut copy = tensor.contiguous();
+    collective(&mut copy)?;
+    tensor.f_copy_(&copy).map_err(|error| {
+        RuntimeError::Invalid(format!("the result cannot be written back: {error}"))
     })
 }
 
@@ -193,14 +267,64 @@ pub fn broadcast(tensor: &mut Tensor, root: usize) -> Result<()> {
             "a broadcast from rank {root} in a group of {world}"
         )));
     }
-    let pointer = tensor.as_mut_ptr();
-    collective("a broadcast", |group, err, len| unsafe {
-        tchmem_dist_broadcast(group, pointer, root as c_int, err, len)
+    through_contiguous(tensor, |tensor| {
+        let pointer = tensor.as_mut_ptr();
+        collective("a broadcast", |group, err, len| unsafe {
+            tchmem_dist_broadcast(group, pointer, root as c_int, err, len)
+        })
     })
 }
 
+/// Every rank's `input` side by side in rank order: `input`'s elements times the world size,
+/// flat (what a rank needs to rebuild a tensor sharded over the ranks). Without a group, a flat
+/// copy of `input`.
+pub fn all_gather(input: &Tensor) -> Result<Tensor> {
+    let world = world_size() as i64;
+    let mut input = input.contiguous().reshape([-1]);
+    let mut output = Tensor::empty(
+        [world * input.numel() as i64],
+        (input.kind(), input.device()),
+    );
+    if world == 1 {
+        output.copy_(&input);
+        return Ok(output);
+    }
+    let (out, inp) = (output.as_mut_ptr(), input.as_mut_ptr());
+    collective("an all-gather", |group, err, len| unsafe {
+        tchmem_dist_all_gather(group, out, inp, err, len)
+    })?;
+    Ok(output)
+}
+
+/// `input` combined across the ranks, of which this rank gets its share: `input`'s elements are
+/// split into world-size equal slices, and rank r gets slice r of the result, flat (what a rank
+/// keeps of gradients sharded over the ranks). Without a group, a flat copy of `input`.
+pub fn reduce_scatter(input: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    let world = world_size() as i64;
+    let mut input = input.contiguous().reshape([-1]);
+    let elements = input.numel() as i64;
+    if elements % world != 0 {
+        return Err(RuntimeError::Invalid(format!(
+            "a reduce-scatter of {elements} elements over {world} ranks: pad it to a multiple \
+             of the world size"
+        )));
+    }
+    let mut output = Tensor::empty([elements / world], (input.kind(), input.device()));
+    if world == 1 {
+        output.copy_(&input);
+        return Ok(output);
+    }
+    let (out, inp, op) = (output.as_mut_ptr(), input.as_mut_ptr(), op.code());
+    collective("a reduce-scatter", |group, err, len| unsafe {
+        tchmem_dist_reduce_scatter(group, out, inp, op, err, len)
+    })?;
+    Ok(output)
+}
+
 /// Runs a shim collective on the group; without one (a world of 1) there is nothing to do.
-/// The group's lock is held while it runs, so that no [`shutdown`] frees it meanwhile.
+/// The group's lock is held while it runs, so that no [`shutdown`] frees it meanwhile (and
+/// [`rank`] on another thread waits for it). After a failed collective the ranks are out of
+/// step: [`shutdown`], then [`init`] a new group with a fresh store.
 fn collective(
     what: &str,
     call: impl FnOnce(*mut c_void, *mut c_char, usize) -> c_int,

@@ -24,6 +24,6 @@
 mod group;
 mod parameters;
 
-pub use group::{all_reduce, broadcast, ReduceOp};
+pub use group::{all_gather, all_reduce, broadcast, reduce_scatter, ReduceOp};
 pub use group::{barrier, init, rank, shutdown, world_size, Setup, DEFAULT_TIMEOUT};
 pub use parameters::{all_reduce_gradients, broadcast_parameters, BUCKET_BYTES};

@@ -6,6 +6,7 @@ use tch::Tensor;
 
 use super::group::{all_reduce, broadcast, world_size, ReduceOp};
 use crate::error::Result;
+use crate::keep::set_grad;
 
 /// The most bytes of gradients one all-reduce carries (PyTorch DDP's default bucket, 25 MiB).
 pub const BUCKET_BYTES: usize = 25 << 20;
@@ -33,20 +34,37 @@ pub fn broadcast_parameters(vs: &VarStore) -> Result<()> {
 
 /// Replaces each trainable variable's gradient with its mean over the ranks: after it, a step
 /// on every rank is the step of one process on the whole batch (when the ranks' batches are
-/// equal shares of it and the loss is a mean). Every rank must have the same gradients defined
-/// (a variable without one is left out on every rank).
+/// equal shares of it and the loss is a mean). A variable whose gradient some ranks have and
+/// others not (a branch only some batches take) gets zeros where it had none, as in PyTorch's
+/// DDP; one that no rank has a gradient for is left without.
 pub fn all_reduce_gradients(vs: &VarStore) -> Result<()> {
     let world = world_size();
     if world == 1 {
         return Ok(());
     }
     let _no_grad = tch::no_grad_guard();
-    let gradients: Vec<Tensor> = by_name(vs)
-        .iter()
-        .filter(|variable| variable.requires_grad())
-        .map(Tensor::grad)
-        .filter(Tensor::defined)
+    let mut trainable: Vec<Tensor> = by_name(vs)
+        .into_iter()
+        .filter(Tensor::requires_grad)
         .collect();
+    // Which variables any rank has a gradient for: one small all-reduce.
+    let had: Vec<f32> = trainable
+        .iter()
+        .map(|v| f32::from(u8::from(v.grad().defined())))
+        .collect();
+    let mut anywhere = Tensor::from_slice(&had);
+    all_reduce(&mut anywhere, ReduceOp::Max)?;
+    let anywhere = Vec::<f32>::try_from(&anywhere).unwrap_or(had);
+    let mut gradients = Vec::new();
+    for (variable, any) in trainable.iter_mut().zip(anywhere) {
+        if any == 0.0 {
+            continue;
+        }
+        if !variable.grad().defined() {
+            set_grad(variable, Some(&variable.zeros_like()));
+        }
+        gradients.push(variable.grad());
+    }
     for bucket in buckets(&gradients) {
         average(bucket, world)?;
     }
