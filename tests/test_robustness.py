@@ -1,14 +1,17 @@
 """Bad things in cells: panics, crashes, interrupts, and input requests. The kernel explains each
 and keeps going."""
 
+import importlib.util
+import os
 import re
+import subprocess
 import threading
 import time
 
 from jupyter_client.manager import start_new_kernel
 
 from conftest import (CELL_TIMEOUT, FIRST_CELL_TIMEOUT, KERNEL_NAME, execute, outputs, result_text,
-                      stream_text)
+                      stream_text, tchmem_bin)
 
 
 def test_a_panic_is_an_error_and_keeps_older_variables(kernel):
@@ -171,3 +174,21 @@ def test_a_cell_sent_while_the_kernel_starts_shows_the_start_then_runs():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_child_whose_kernel_goes_at_once_exits_at_once():
+    """A kernel shut down within seconds of its start closes its child's stdin while
+    libtorch_cuda still loads there: the child must exit then and there. (Exiting through the
+    process's exit handlers raced CUDA's static runtime: an abort, a 7 s exit, once a child left
+    spinning on two cores.)"""
+    libtorch = importlib.util.find_spec("torch").submodule_search_locations[0]
+    env = dict(os.environ, TCHMEM_CHILD="1", LIBTORCH=libtorch,
+               LD_LIBRARY_PATH=os.path.join(libtorch, "lib"))
+    for attempt in range(3):
+        started = time.monotonic()
+        done = subprocess.run([tchmem_bin()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=env, timeout=60)
+        seconds = time.monotonic() - started
+        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
+        # At once: before the fix the exit waited for the load (0.8-7 s here).
+        assert seconds < 0.5, f"attempt {attempt}: the child took {seconds:.2f} s to exit"

@@ -45,7 +45,7 @@ pub fn run() -> ! {
         Ok(tap) => tap,
         Err(error) => {
             eprintln!("tchmem child: cannot watch stdout: {error}");
-            std::process::exit(98);
+            exit_now(98);
         }
     };
     interrupt::install();
@@ -58,16 +58,16 @@ pub fn run() -> ! {
         // (evcxr's input requests are answered on it).
         let mut line = String::new();
         match std::io::stdin().lock().read_line(&mut line) {
-            Ok(0) => std::process::exit(0),
+            Ok(0) => exit_now(0),
             Ok(_) => {}
             Err(error) => {
                 eprintln!("tchmem child: reading stdin: {error}");
-                std::process::exit(99);
+                exit_now(99);
             }
         }
         let Some((library_path, function)) = parse_load_and_run(line.trim_end()) else {
             eprintln!("tchmem child: unrecognised instruction {line:?}");
-            std::process::exit(99);
+            exit_now(99);
         };
         if function != WARM_UP_FUNCTION {
             if let Some(loaded) = cuda.finish() {
@@ -80,7 +80,7 @@ pub fn run() -> ! {
             Ok(library) => library,
             Err(error) => {
                 eprintln!("tchmem child: cannot load {library_path}: {error:?}");
-                std::process::exit(99);
+                exit_now(99);
             }
         };
         // SAFETY: evcxr generates this function with exactly this signature.
@@ -89,7 +89,7 @@ pub fn run() -> ! {
                 Ok(cell) => cell,
                 Err(error) => {
                     eprintln!("tchmem child: cannot find {function} in {library_path}: {error}");
-                    std::process::exit(99);
+                    exit_now(99);
                 }
             };
         // evcxr's warm-up eval is the first function it builds (`run_user_code_0`): its output is
@@ -103,6 +103,18 @@ pub fn run() -> ! {
         hooks.write_line(EXECUTION_COMPLETE);
         libraries.push(library);
     }
+}
+
+/// Ends the child without running the process's exit handlers. libtorch_cuda may still be
+/// loading on its thread (a kernel shut down within seconds of its start), and the exit handlers
+/// of CUDA's static runtime then race its registration: seen as an abort, a 7 s exit, and a
+/// child left spinning on two cores after its kernel was gone. Nothing is left to write: every
+/// cell's output was flushed before its completion line.
+fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // SAFETY: _exit ends the process at once; no Rust state is observed after it.
+    unsafe { libc::_exit(code) }
 }
 
 /// libtorch_cuda loading on a thread of its own (or loaded here when no thread could be
