@@ -128,13 +128,17 @@ impl Engine {
         job: impl FnOnce(&mut Notebook) -> T + Send + 'static,
     ) -> oneshot::Receiver<T> {
         let (tx, rx) = oneshot::channel();
-        let job: Job = Box::new(move |session| {
+        self.send_job(Box::new(move |session| {
             let _ = tx.send(job(session));
-        });
+        }));
+        rx
+    }
+
+    /// Queues `job` on the engine thread.
+    fn send_job(&self, job: Job) {
         if self.jobs.send(job).is_err() {
             tracing::error!("the engine thread has stopped");
         }
-        rx
     }
 
     /// Runs a cell. Its outputs go to `io` while it runs. A cell that comes while the engine
@@ -169,18 +173,21 @@ impl Engine {
             }
         }
         let unseen = self.paths.unseen_path(&code, cursor);
-        let (found_tx, found_rx) = mpsc::channel();
-        let job: Job = Box::new(move |session| {
-            let _ = found_tx.send(session.runner_mut().complete(&code, cursor));
-        });
-        if self.jobs.send(job).is_err() {
-            tracing::error!("the engine thread has stopped");
-        }
+        let answer = match remembered {
+            None => self.submit(move |session| session.runner_mut().complete(&code, cursor)),
+            Some(fallback) => {
+                let (found_tx, found_rx) = mpsc::channel();
+                self.send_job(Box::new(move |session| {
+                    let _ = found_tx.send(session.runner_mut().complete(&code, cursor));
+                }));
+                answer_in_time(found_rx, fallback, ANALYSIS_PATIENCE)
+            }
+        };
         if let Some(path) = unseen {
             let paths = Arc::clone(&self.paths);
             self.submit(move |session| session.runner_mut().remember_path(&path, &paths));
         }
-        answer_in_time(found_rx, remembered, ANALYSIS_PATIENCE)
+        answer
     }
 
     /// Asks the code analysis for the paths a start remembers (`tchmem prepare`: the first
@@ -211,22 +218,18 @@ impl Engine {
     }
 }
 
-/// The analysis' answer from `found`, or `remembered` if it does not come within `patience`
-/// (without a remembered answer, the analysis' whenever it comes).
+/// The analysis' answer from `found`, or `remembered` if it does not come within `patience`.
 fn answer_in_time(
     found: mpsc::Receiver<CompletionOutcome>,
-    remembered: Option<CompletionOutcome>,
+    remembered: CompletionOutcome,
     patience: Duration,
 ) -> oneshot::Receiver<CompletionOutcome> {
     let (tx, rx) = oneshot::channel();
     std::thread::spawn(move || {
-        let answer = match remembered {
-            Some(fallback) => found.recv_timeout(patience).unwrap_or_else(|_| {
-                tracing::debug!("the analysis is slow: answered from remembered members");
-                fallback
-            }),
-            None => found.recv().unwrap_or_default(),
-        };
+        let answer = found.recv_timeout(patience).unwrap_or_else(|_| {
+            tracing::debug!("the analysis is slow: answered from remembered members");
+            remembered
+        });
         let _ = tx.send(answer);
     });
     rx
@@ -258,18 +261,13 @@ mod tests {
     fn a_quick_analysis_answers_and_a_slow_one_gives_way_to_the_remembered_members() {
         let patience = Duration::from_millis(200);
         let quick = analysis_answering("analysis", Duration::ZERO);
-        let answer = answer_in_time(quick, Some(outcome("remembered")), patience);
+        let answer = answer_in_time(quick, outcome("remembered"), patience);
         assert_eq!(answer.blocking_recv().unwrap().matches, ["analysis"]);
 
         let slow = analysis_answering("analysis", Duration::from_secs(2));
         let started = std::time::Instant::now();
-        let answer = answer_in_time(slow, Some(outcome("remembered")), patience);
+        let answer = answer_in_time(slow, outcome("remembered"), patience);
         assert_eq!(answer.blocking_recv().unwrap().matches, ["remembered"]);
         assert!(started.elapsed() < Duration::from_secs(1));
-
-        // Nothing remembered: the analysis is waited for.
-        let slow = analysis_answering("analysis", Duration::from_millis(400));
-        let answer = answer_in_time(slow, None, patience);
-        assert_eq!(answer.blocking_recv().unwrap().matches, ["analysis"]);
     }
 }

@@ -5,11 +5,12 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::group::{all_reduce, broadcast, world_size, ReduceOp};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::keep::set_grad;
+use crate::tensor_bytes;
 
 /// The most bytes of gradients one all-reduce carries (PyTorch DDP's default bucket, 25 MiB).
-pub const BUCKET_BYTES: usize = 25 << 20;
+pub const BUCKET_BYTES: u64 = 25 << 20;
 
 /// The store's variables in name order: the same order on every rank whatever the order the
 /// model made them in.
@@ -54,7 +55,8 @@ pub fn all_reduce_gradients(vs: &VarStore) -> Result<()> {
         .collect();
     let mut anywhere = Tensor::from_slice(&had);
     all_reduce(&mut anywhere, ReduceOp::Max)?;
-    let anywhere = Vec::<f32>::try_from(&anywhere).unwrap_or(had);
+    let anywhere =
+        Vec::<f32>::try_from(&anywhere).map_err(|error| RuntimeError::Torch(error.to_string()))?;
     let mut gradients = Vec::new();
     for (variable, any) in trainable.iter_mut().zip(anywhere) {
         if any == 0.0 {
@@ -77,7 +79,7 @@ fn buckets(gradients: &[Tensor]) -> Vec<&[Tensor]> {
     let mut buckets = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (index, gradient) in gradients.iter().enumerate() {
-        let size = gradient.numel() * gradient.kind().elt_size_in_bytes();
+        let size = tensor_bytes(gradient);
         let same = index > start
             && gradient.kind() == gradients[start].kind()
             && gradient.device() == gradients[start].device();
