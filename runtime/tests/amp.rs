@@ -24,6 +24,38 @@ fn autocast_runs_matmuls_in_the_chosen_dtype_and_restores_the_state() {
     assert_eq!(a.matmul(&a).kind(), Kind::Float, "restored after a panic");
 }
 
+/// CPU autocast hands an LSTM's oneDNN kernel its dtype even on CPUs whose oneDNN has none for
+/// it (no AVX-512 BF16/FP16, as on the CI machine); the LSTM must still train, in reduced
+/// precision (its result differs from f32's, slightly), and f32 afterwards must be as before.
+#[test]
+fn an_lstm_trains_under_cpu_autocast_on_any_cpu() {
+    use tch::nn::RNN;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let lstm = nn::lstm(vs.root(), 8, 16, Default::default());
+    let x = Tensor::randn([4, 5, 8], (Kind::Float, Device::Cpu));
+    let (full, _) = lstm.seq(&x);
+    for dtype in [Kind::BFloat16, Kind::Half] {
+        let (y, _) = tchmem::amp::autocast_on(Device::Cpu, dtype, || lstm.seq(&x));
+        y.to_kind(Kind::Float).sum(Kind::Float).backward();
+        for (name, v) in vs.variables() {
+            let g = v.grad();
+            assert!(g.defined(), "{dtype:?}: no gradient for {name}");
+            assert!(
+                g.isfinite().all().int64_value(&[]) == 1,
+                "{dtype:?}: {name}"
+            );
+        }
+        let gap = (y.to_kind(Kind::Float) - &full).abs().max().double_value(&[]);
+        assert!(gap > 0.0 && gap < 0.1, "{dtype:?}: off f32 by {gap}");
+        for mut g in vs.trainable_variables().iter().map(Tensor::grad) {
+            let _ = g.zero_();
+        }
+    }
+    let (again, _) = lstm.seq(&x);
+    assert!(again.equal(&full), "f32 after autocast as before it");
+}
+
 fn setup() -> (nn::VarStore, impl Module, Tensor) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
