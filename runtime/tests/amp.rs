@@ -46,7 +46,10 @@ fn an_lstm_trains_under_cpu_autocast_on_any_cpu() {
                 "{dtype:?}: {name}"
             );
         }
-        let gap = (y.to_kind(Kind::Float) - &full).abs().max().double_value(&[]);
+        let gap = (y.to_kind(Kind::Float) - &full)
+            .abs()
+            .max()
+            .double_value(&[]);
         assert!(gap > 0.0 && gap < 0.1, "{dtype:?}: off f32 by {gap}");
         for mut g in vs.trainable_variables().iter().map(Tensor::grad) {
             let _ = g.zero_();
