@@ -5,7 +5,6 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <optional>
 #include <vector>
 
 #include "error.h"
@@ -21,29 +20,35 @@ bool onednn_runs(at::ScalarType dtype) {
   return handle.has_value() && handle->typed<bool()>().call();
 }
 
-// oneDNN's setting before CPU autocast turned it off, until the outermost autocast level ends.
-// CPU autocast casts the input of `mkldnn_rnn_layer` (an LSTM's oneDNN kernel) to its dtype even
-// where oneDNN has no kernel for that dtype on this CPU (no AVX-512 BF16/FP16: "could not create
-// a primitive descriptor for the LSTM forward propagation primitive"; PyTorch fixes it after
-// 2.11). With oneDNN off the LSTM runs libtorch's own cells, whose matmuls autocast still runs
-// in the chosen dtype, so the loop stays mixed precision.
-std::optional<bool> onednn_before_autocast;
-
-void keep_autocast_off_onednn_it_lacks(at::ScalarType dtype) {
-  if (onednn_before_autocast.has_value() || onednn_runs(dtype)) return;
-  onednn_before_autocast = at::globalContext().userEnabledMkldnn();
-  at::globalContext().setUserEnabledMkldnn(false);
-}
-
-void restore_onednn() {
-  if (!onednn_before_autocast.has_value()) return;
-  at::globalContext().setUserEnabledMkldnn(*onednn_before_autocast);
-  onednn_before_autocast.reset();
-}
-
 }  // namespace
 
 extern "C" {
+
+// Before CPU autocast at `dtype` (a c10::ScalarType) is entered: turns oneDNN off where this
+// CPU's oneDNN has no kernels for the dtype, and says in `before` what to restore when that
+// autocast level is left (1 or 0), or -1 when it changed nothing (oneDNN runs the dtype, or an
+// outer level turned it off already). CPU autocast casts the input of `mkldnn_rnn_layer` (an
+// LSTM's oneDNN kernel) to its dtype even on CPUs without AVX-512 BF16/FP16 ("could not create
+// a primitive descriptor for the LSTM forward propagation primitive"; PyTorch fixes it after
+// 2.11). With oneDNN off the LSTM runs libtorch's own cells, whose matmuls autocast still runs
+// in the chosen dtype, so the loop stays mixed precision. The setting is libtorch's, process-wide.
+int tchmem_onednn_off_for(int dtype, int* before, char* err, size_t err_len) {
+  return tchmem::guarded(
+      [&] {
+        *before = -1;
+        if (!at::globalContext().userEnabledMkldnn()) return;
+        if (onednn_runs(static_cast<at::ScalarType>(dtype))) return;
+        *before = 1;
+        at::globalContext().setUserEnabledMkldnn(false);
+      },
+      err, err_len);
+}
+
+// Sets libtorch's oneDNN switch (what `tchmem_onednn_off_for` said to restore).
+int tchmem_onednn_set(int enabled, char* err, size_t err_len) {
+  return tchmem::guarded([&] { at::globalContext().setUserEnabledMkldnn(enabled != 0); }, err,
+                         err_len);
+}
 
 // Autocast of one device type (0 = CPU, 1 = CUDA): reads the current setting.
 int tchmem_autocast_get(int cuda, int* enabled, int* dtype, char* err, size_t err_len) {
@@ -58,8 +63,7 @@ int tchmem_autocast_get(int cuda, int* enabled, int* dtype, char* err, size_t er
 
 // Sets autocast of one device type and its dtype (a c10::ScalarType, as tch's Kind numbers it).
 // Entering bumps the nesting counter; leaving the outermost level clears the cast cache, as
-// torch.autocast does. Entering CPU autocast at a dtype this CPU's oneDNN lacks turns oneDNN off
-// until then (see `onednn_before_autocast`).
+// torch.autocast does.
 int tchmem_autocast_set(int cuda, int enabled, int dtype, int entering, char* err,
                         size_t err_len) {
   return tchmem::guarded(
@@ -68,11 +72,9 @@ int tchmem_autocast_set(int cuda, int enabled, int dtype, int entering, char* er
         at::autocast::set_autocast_dtype(type, static_cast<at::ScalarType>(dtype));
         at::autocast::set_autocast_enabled(type, enabled != 0);
         if (entering) {
-          if (!cuda && enabled) keep_autocast_off_onednn_it_lacks(static_cast<at::ScalarType>(dtype));
           at::autocast::increment_nesting();
         } else if (at::autocast::decrement_nesting() == 0) {
           at::autocast::clear_cache();
-          restore_onednn();
         }
       },
       err, err_len);

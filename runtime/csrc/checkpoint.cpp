@@ -85,21 +85,26 @@ struct Segment {
   tchmem_segment_drop drop;
 };
 
-// Autocast settings of the two device types that matter here.
+// Autocast settings of the two device types that matter here, with oneDNN's switch, which
+// `tchmem::amp::autocast_on` turns off under CPU autocast where oneDNN lacks the dtype (the rerun
+// must take the kernels the forward took).
 struct AutocastState {
   bool cuda_enabled, cpu_enabled;
   at::ScalarType cuda_dtype, cpu_dtype;
+  bool onednn;
 
   static AutocastState current() {
     return {at::autocast::is_autocast_enabled(at::kCUDA),
             at::autocast::is_autocast_enabled(at::kCPU),
-            at::autocast::get_autocast_dtype(at::kCUDA), at::autocast::get_autocast_dtype(at::kCPU)};
+            at::autocast::get_autocast_dtype(at::kCUDA), at::autocast::get_autocast_dtype(at::kCPU),
+            at::globalContext().userEnabledMkldnn()};
   }
   void apply() const {
     at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
     at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
     at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
     at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::globalContext().setUserEnabledMkldnn(onednn);
   }
 };
 

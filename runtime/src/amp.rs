@@ -37,6 +37,13 @@ extern "C" {
         err: *mut std::ffi::c_char,
         err_len: usize,
     ) -> c_int;
+    fn tchmem_onednn_off_for(
+        dtype: c_int,
+        before: *mut c_int,
+        err: *mut std::ffi::c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tchmem_onednn_set(enabled: c_int, err: *mut std::ffi::c_char, err_len: usize) -> c_int;
     fn tchmem_amp_unscale(
         grads: *const *mut C_tensor,
         n: usize,
@@ -60,25 +67,56 @@ fn scalar_type(kind: Kind) -> c_int {
 /// Runs `f` with autocast on for `device`'s type (CUDA or CPU) at `dtype` (`Kind::BFloat16` or
 /// `Kind::Half`): matmuls and convolutions run in that dtype, reductions and losses in f32.
 /// The previous setting is restored afterwards, also if `f` panics.
+///
+/// On a CPU whose oneDNN has no kernels for `dtype` (no AVX-512 BF16/FP16), oneDNN is off
+/// inside: libtorch 2.11's CPU autocast would hand an LSTM's oneDNN kernel a dtype it cannot
+/// run. The LSTM then runs libtorch's own cells, their matmuls in `dtype`.
 pub fn autocast_on<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> T {
     let cuda = c_int::from(device.is_cuda());
+    let dtype = scalar_type(dtype);
     let (mut enabled, mut previous) = (0, 0);
     ffi::call(|err, len| unsafe {
         tchmem_autocast_get(cuda, &mut enabled, &mut previous, err, len)
     })
     .unwrap_or_else(|e| panic!("reading the autocast state: {e}"));
-    ffi::call(|err, len| unsafe { tchmem_autocast_set(cuda, 1, scalar_type(dtype), 1, err, len) })
-        .unwrap_or_else(|e| panic!("enabling autocast: {e}"));
-    // Restores on the way out, panics included.
-    struct Restore(c_int, c_int, c_int);
+    let mut onednn_before = -1;
+    if cuda == 0 {
+        ffi::call(|err, len| unsafe { tchmem_onednn_off_for(dtype, &mut onednn_before, err, len) })
+            .unwrap_or_else(|e| panic!("asking oneDNN for {dtype}: {e}"));
+    }
+    // Restores on the way out, panics included: autocast, then oneDNN where this level turned
+    // it off (each level undoes only its own change, whichever cell's copy of the runtime it is).
+    struct Restore {
+        cuda: c_int,
+        enabled: c_int,
+        dtype: c_int,
+        onednn_before: c_int,
+        entered: bool,
+    }
     impl Drop for Restore {
         fn drop(&mut self) {
-            let _ = ffi::call(|err, len| unsafe {
-                tchmem_autocast_set(self.0, self.1, self.2, 0, err, len)
-            });
+            if self.entered {
+                let _ = ffi::call(|err, len| unsafe {
+                    tchmem_autocast_set(self.cuda, self.enabled, self.dtype, 0, err, len)
+                });
+            }
+            if self.onednn_before >= 0 {
+                let _ = ffi::call(|err, len| unsafe {
+                    tchmem_onednn_set(self.onednn_before, err, len)
+                });
+            }
         }
     }
-    let _restore = Restore(cuda, enabled, previous);
+    let mut restore = Restore {
+        cuda,
+        enabled,
+        dtype: previous,
+        onednn_before,
+        entered: false,
+    };
+    ffi::call(|err, len| unsafe { tchmem_autocast_set(cuda, 1, dtype, 1, err, len) })
+        .unwrap_or_else(|e| panic!("enabling autocast: {e}"));
+    restore.entered = true;
     f()
 }
 

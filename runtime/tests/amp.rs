@@ -56,7 +56,12 @@ fn an_lstm_trains_under_cpu_autocast_on_any_cpu() {
         }
     }
     let (again, _) = lstm.seq(&x);
-    assert!(again.equal(&full), "f32 after autocast as before it");
+    // oneDNN's switch is process-wide and the other tests here run autocast on other threads
+    // meanwhile, so this LSTM may take either kernel: the same f32 result up to rounding.
+    assert!(
+        again.allclose(&full, 1e-5, 1e-6, false),
+        "f32 after autocast as before it"
+    );
 }
 
 fn setup() -> (nn::VarStore, impl Module, Tensor) {

@@ -489,3 +489,45 @@ fn compressed_and_offloaded_training_follows_the_kept_one() {
         "int8 inputs: {rounded}, kept: {kept}"
     );
 }
+
+/// Under CPU autocast on a CPU whose oneDNN lacks the dtype, `autocast_on` turns oneDNN off
+/// (see tests/amp.rs); the rerun in backward, after that autocast has ended, must run the LSTM
+/// with the same kernels, or oneDNN fails on bf16 there (and elsewhere saves other tensors).
+#[test]
+fn an_lstm_segment_reruns_in_backward_as_it_ran_under_cpu_autocast() {
+    use nn::RNN;
+    let _turn = rng_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    // Tensors are Send but not Sync: the segment shares the LSTM through a Mutex.
+    let lstm = std::sync::Arc::new(std::sync::Mutex::new(nn::lstm(
+        vs.root() / "l",
+        8,
+        16,
+        Default::default(),
+    )));
+    let x = Tensor::randn([4, 5, 8], (Kind::Float, Device::Cpu));
+    let weights: Vec<Tensor> = vs.trainable_variables();
+    let gradients = |checkpointed: bool| {
+        let y = tchmem::amp::autocast_on(Device::Cpu, Kind::BFloat16, || {
+            if checkpointed {
+                let lstm = lstm.clone();
+                tchmem::checkpoint::checkpoint(move |x| lstm.lock().unwrap().seq(x).0, &x)
+            } else {
+                lstm.lock().unwrap().seq(&x).0
+            }
+        });
+        let loss = y.to_kind(Kind::Float).sum(Kind::Float);
+        Tensor::run_backward(&[loss], &weights, false, false)
+    };
+    let plain = gradients(false);
+    let rerun = gradients(true);
+    // The same bf16 arithmetic, rounded apart: within bf16's precision of the largest.
+    for (a, b) in plain.iter().zip(&rerun) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        let scale = a.abs().max().double_value(&[]);
+        assert!(
+            diff <= 1e-2 * scale,
+            "gradient differs by {diff} of {scale}"
+        );
+    }
+}
