@@ -416,13 +416,14 @@ impl Calibration {
             }
             _ => 0.0,
         };
-        let past_the_trials = proportional > high;
-        let step_time = StepTime {
+        let mut step_time = StepTime {
             low,
             high: high.max(proportional),
             launch_bound,
-            past_the_trials,
+            past_the_trials: false,
         };
+        // Said only where it shows: a range the proportional step widened.
+        step_time.past_the_trials = proportional > high && step_time.is_range();
         (seconds, step_time)
     }
 
@@ -801,12 +802,22 @@ pub(crate) mod tests {
         assert!((time.low - 0.0387).abs() < 1e-9, "{time:?}");
         assert!((time.high - 0.0594).abs() < 1e-9, "{time:?}");
         assert!(time.holds(0.0535), "{time:?}");
-        // Within the trials' batches the line stands alone.
-        let inside = calibration
-            .predict(&scenario(16, 1, OptimizerRule::Adam))
+        // With micro-batches, per micro-batch, times their number.
+        let split = calibration
+            .predict(&scenario(64, 2, OptimizerRule::Adam))
             .unwrap()
             .step_time;
-        assert!(!inside.past_the_trials, "{inside:?}");
+        assert!(split.past_the_trials, "{split:?}");
+        assert!((split.low - 0.0774).abs() < 1e-9, "{split:?}");
+        assert!((split.high - 0.1188).abs() < 1e-9, "{split:?}");
+        // Within the trials' batches the line stands alone.
+        for batch in [12, 16] {
+            let inside = calibration
+                .predict(&scenario(batch, 1, OptimizerRule::Adam))
+                .unwrap()
+                .step_time;
+            assert!(!inside.past_the_trials, "{inside:?}");
+        }
     }
 
     #[test]

@@ -303,10 +303,11 @@ fn prediction_lines(prediction: &Prediction) -> String {
         ": launch-bound at the calibration batches (their steps barely grew with the batch): \
          from their fastest step to time in proportion to the batch, where the work may take \
          over"
-    } else if step_time.is_range() && step_time.past_the_trials {
-        ": past the calibration batches, from the trials' line (it keeps the small steps' \
-         fixed costs, such as kernel launches) to the larger trial's step in proportion to the \
-         batch (a large step may be all work)"
+    } else if step_time.past_the_trials {
+        ": a range, up to the larger calibration trial's step in proportion to the batch: past \
+         the calibration batches their line keeps the small steps' fixed costs, such as kernel \
+         launches, where a large step may be all work (the lower end is the line, or the \
+         fastest steps' where they are short)"
     } else if step_time.is_range() {
         ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
          with launches and the allocator's growth)"
