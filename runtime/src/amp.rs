@@ -79,11 +79,8 @@ pub fn autocast_on<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> T {
         tchmem_autocast_get(cuda, &mut enabled, &mut previous, err, len)
     })
     .unwrap_or_else(|e| panic!("reading the autocast state: {e}"));
-    let mut onednn_before = -1;
-    if cuda == 0 {
-        ffi::call(|err, len| unsafe { tchmem_onednn_off_for(dtype, &mut onednn_before, err, len) })
-            .unwrap_or_else(|e| panic!("asking oneDNN for {dtype}: {e}"));
-    }
+    ffi::call(|err, len| unsafe { tchmem_autocast_set(cuda, 1, dtype, 1, err, len) })
+        .unwrap_or_else(|e| panic!("enabling autocast: {e}"));
     // Restores on the way out, panics included: autocast, then oneDNN where this level turned
     // it off (each level undoes only its own change, whichever cell's copy of the runtime it is).
     struct Restore {
@@ -91,15 +88,12 @@ pub fn autocast_on<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> T {
         enabled: c_int,
         dtype: c_int,
         onednn_before: c_int,
-        entered: bool,
     }
     impl Drop for Restore {
         fn drop(&mut self) {
-            if self.entered {
-                let _ = ffi::call(|err, len| unsafe {
-                    tchmem_autocast_set(self.cuda, self.enabled, self.dtype, 0, err, len)
-                });
-            }
+            let _ = ffi::call(|err, len| unsafe {
+                tchmem_autocast_set(self.cuda, self.enabled, self.dtype, 0, err, len)
+            });
             if self.onednn_before >= 0 {
                 let _ = ffi::call(|err, len| unsafe {
                     tchmem_onednn_set(self.onednn_before, err, len)
@@ -111,12 +105,14 @@ pub fn autocast_on<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> T {
         cuda,
         enabled,
         dtype: previous,
-        onednn_before,
-        entered: false,
+        onednn_before: -1,
     };
-    ffi::call(|err, len| unsafe { tchmem_autocast_set(cuda, 1, dtype, 1, err, len) })
-        .unwrap_or_else(|e| panic!("enabling autocast: {e}"));
-    restore.entered = true;
+    if cuda == 0 {
+        ffi::call(|err, len| unsafe {
+            tchmem_onednn_off_for(dtype, &mut restore.onednn_before, err, len)
+        })
+        .unwrap_or_else(|e| panic!("asking oneDNN for {dtype}: {e}"));
+    }
     f()
 }
 
