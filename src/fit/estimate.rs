@@ -371,9 +371,12 @@ impl Calibration {
     /// The step time at `micro`-sized micro-batches, `accumulate` of them: the median steps'
     /// line, and the range (see [`StepTime`]).
     fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
-        let Some((_, largest)) = self.points.last() else {
+        let Some((largest_batch, largest)) = self.points.last() else {
             return (0.0, StepTime::default());
         };
+        // A step at the larger trial's batch scaled to this one, as if it were all work.
+        let in_proportion =
+            |seconds: f64| seconds * micro as f64 / *largest_batch as f64 * accumulate as f64;
         let seconds_at = |pick: fn(&Measured) -> f64| {
             let points: Vec<(f64, f64)> = self
                 .points
@@ -396,12 +399,12 @@ impl Calibration {
         // Short calibration steps that did grow say little about the slope (launches and
         // warm-up weigh in them: tied_gpt in bf16 on the H200 took 12.7 and 15.7 ms at 8 and
         // 16, and 14.6 ms at 32): from the smaller trial's fastest step to the line.
-        let (low, high) = match (self.points.first(), self.points.last()) {
-            (Some((_, small)), Some((b2, large))) if launch_bound => (
+        let (low, high) = match self.points.first() {
+            Some((_, small)) if launch_bound => (
                 low.max(small.step_range.0 * accumulate as f64).min(seconds),
-                high.max(large.step_range.0 * micro as f64 / *b2 as f64 * accumulate as f64),
+                high.max(in_proportion(largest.step_range.0)),
             ),
-            (Some((_, small)), Some((_, large))) if large.step_range.0 < SHORT_STEP_SECONDS => {
+            Some((_, small)) if largest.step_range.0 < SHORT_STEP_SECONDS => {
                 (low.min(small.step_range.0 * accumulate as f64), high)
             }
             _ => (low, high),
@@ -410,11 +413,10 @@ impl Calibration {
         // (launches), where a large step may be all work: up to the larger trial's median step
         // in proportion to the batch. On the H200 tied_gpt under --checkpoint took 25.2 and
         // 29.7 ms at 8 and 16, and 53.5 ms at 32, where the line said 38.7 ms.
-        let proportional = match self.points.last() {
-            Some((b2, large)) if micro > *b2 && !launch_bound => {
-                large.step_seconds * micro as f64 / *b2 as f64 * accumulate as f64
-            }
-            _ => 0.0,
+        let proportional = if micro > *largest_batch && !launch_bound {
+            in_proportion(largest.step_seconds)
+        } else {
+            0.0
         };
         let mut step_time = StepTime {
             low,
