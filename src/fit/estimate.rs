@@ -13,6 +13,7 @@
 use tchmem_wire::estimate::{tensor_bytes, OptimizerRule, ParamShape};
 use tchmem_wire::memory::{Category, CategoryName};
 
+use super::accumulated;
 use super::op_peak::{OpLines, Replayed};
 use super::reserved::ReservedLines;
 use super::trial::Measured;
@@ -240,9 +241,9 @@ impl Calibration {
         let state_change = target.optimizer_state as f64 - own.optimizer_state as f64;
         // With micro-batches, the gradients of the earlier ones are alive through the later
         // ones' forward and backward passes (in a plain step, backward makes them as it frees
-        // activations): counted whole, so the prediction errs high.
+        // activations).
         let accumulated = if accumulate > 1 {
-            own.gradients as f64
+            self.added_by_accumulation(&own)
         } else {
             0.0
         };
@@ -368,6 +369,19 @@ impl Calibration {
         ))
     }
 
+    /// What holding the gradients through a micro-batch adds to its peak: by the larger
+    /// trial's recorded step where it has one (see [`accumulated`]), else all of them (errs
+    /// high).
+    fn added_by_accumulation(&self, own: &Fixed) -> f64 {
+        if own.gradients == 0 {
+            return 0.0;
+        }
+        let from_trace = self.points.iter().rev().find_map(|(_, m)| {
+            accumulated::added_by_accumulation(m.allocations.as_deref()?, &m.parameters)
+        });
+        from_trace.unwrap_or(own.gradients) as f64
+    }
+
     /// The step time at `micro`-sized micro-batches, `accumulate` of them: the median steps'
     /// line, and the range (see [`StepTime`]).
     fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
@@ -488,6 +502,11 @@ fn category(name: CategoryName, bytes: u64, exact: bool, how: &str) -> Category 
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::sync::Arc;
+
+    use tchmem_wire::alloc_trace::{AllocTrace, Segment};
+
+    use super::super::allocator::rounded;
     use super::*;
 
     const MIB: u64 = 1 << 20;
@@ -686,6 +705,30 @@ pub(crate) mod tests {
             48 * 3 * MIB - fixed.gradients
         );
         assert!(split.step_seconds > plain.step_seconds);
+        // Where the larger trial recorded its step's allocations, they tell what holding the
+        // gradients adds (see fit::accumulated): nothing, in a step whose peak is its start,
+        // where the last step's gradients were still alive.
+        let last_gradients: Vec<(u64, bool)> = shapes()
+            .iter()
+            .map(|p| (rounded(p.bytes()), true))
+            .collect();
+        let frees = (0..last_gradients.len() as i64).map(|k| -(k + 1)).collect();
+        let mut recorded = calibration.clone();
+        recorded.points.last_mut().unwrap().1.allocations = Some(Arc::new(AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: last_gradients,
+            }],
+            events: frees,
+            marks: vec![(0, 0)],
+        }));
+        let split_recorded = recorded
+            .predict(&scenario(64, 4, OptimizerRule::Adam))
+            .unwrap();
+        assert_eq!(
+            split_recorded.peak_allocated,
+            split.peak_allocated - fixed.gradients
+        );
         let lion = calibration
             .predict(&scenario(64, 1, OptimizerRule::Lion))
             .unwrap();
