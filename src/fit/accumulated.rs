@@ -18,51 +18,47 @@ use super::allocator::rounded;
 /// The bytes that holding every gradient through the recorded step adds to its peak allocated,
 /// at most the gradients' bytes; `None` without a recorded step or parameters to match.
 ///
-/// The gradients are told apart by size: those of the step's allocations still alive at its
-/// end that each match a parameter (the ones it made), and those alive when it began and freed
-/// in it that each match one (the last step's, freed by `zero_grad`).
+/// The gradients are told apart by size: the step's allocations still alive at its end that
+/// each match a parameter, newest first (backward makes the gradients after forward's outputs,
+/// which the trace's end may find alive too: the loss, the logits), and those alive when it
+/// began and freed in it before its first gradient was made that each match one (the last
+/// step's, freed by `zero_grad` after forward). Held, a gradient that backward makes is a
+/// temporary added to the held one (`grad += new`), so it counts on top of them while it is made.
 pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> Option<u64> {
     let step_begins = trace.marks.first()?.1;
-    if parameters.is_empty() {
+    if parameters.is_empty() || step_begins >= trace.events.len() {
         return None;
     }
     let lives = Lives::of(trace);
     let gradients: u64 = parameters.iter().map(|p| rounded(p.bytes())).sum();
-    let mut made = SizeCounts::of(parameters);
-    let mut last = made.clone();
-    // Whether each allocation is a gradient: made in the step and alive at its end, or alive
-    // when it began and freed in it.
-    let mut is_gradient = vec![false; lives.sizes.len()];
-    let mut gradients_alive = 0;
-    for (k, &(made_at, freed_at)) in lives.spans.iter().enumerate() {
-        let size = lives.sizes[k];
-        let made_in_step = made_at.is_some_and(|m| m >= step_begins);
-        let freed_in_step = freed_at.is_some_and(|f| f >= step_begins);
-        is_gradient[k] = match (made_in_step, freed_at) {
-            (true, None) => made.take(size),
-            (false, Some(_)) if freed_in_step => last.take(size),
-            _ => false,
-        };
-        if is_gradient[k] && !made_in_step {
-            gradients_alive += size;
-        }
-    }
+    let is_gradient = lives.gradients(step_begins, parameters);
+    // The last step's gradients, alive when the step began.
+    let mut gradients_alive: u64 = (0..lives.sizes.len())
+        .filter(|&k| is_gradient[k] && !lives.made_from(k, step_begins))
+        .map(|k| lives.sizes[k])
+        .sum();
     let mut alive = lives.alive_before(step_begins);
-    let (mut plain_peak, mut held_peak) = (alive, alive - gradients_alive + gradients);
+    let (mut plain_peak, mut held_peak) =
+        (alive, alive.saturating_sub(gradients_alive) + gradients);
     for (at, event) in trace.decoded().enumerate().skip(step_begins) {
-        let (k, grows) = match event {
-            AllocEvent::Alloc(_) => (lives.allocation_at[at], true),
-            AllocEvent::Free(k) => (k, false),
-        };
-        let Some(&size) = lives.sizes.get(k) else {
-            continue;
-        };
-        if grows {
-            alive += size;
-            gradients_alive += if is_gradient[k] { size } else { 0 };
-        } else {
-            alive = alive.saturating_sub(size);
-            gradients_alive -= if is_gradient[k] { size } else { 0 };
+        match event {
+            AllocEvent::Alloc(_) => {
+                let k = lives.allocation_at[at];
+                alive += lives.sizes[k];
+                if is_gradient[k] {
+                    // Held, this is `new` in `grad += new`, on top of every gradient.
+                    held_peak = held_peak.max(alive.saturating_sub(gradients_alive) + gradients);
+                    gradients_alive += lives.sizes[k];
+                }
+            }
+            AllocEvent::Free(k) if lives.spans.get(k).is_some_and(|span| span.1 == Some(at)) => {
+                alive -= lives.sizes[k];
+                if is_gradient[k] {
+                    gradients_alive -= lives.sizes[k];
+                }
+            }
+            // A free the trace cannot place (twice, or of a number it never made).
+            AllocEvent::Free(_) => continue,
         }
         plain_peak = plain_peak.max(alive);
         held_peak = held_peak.max((alive + gradients).saturating_sub(gradients_alive));
@@ -97,7 +93,8 @@ impl Lives {
                     spans.push((Some(at), None));
                 }
                 AllocEvent::Free(k) => {
-                    if let Some(span) = spans.get_mut(k) {
+                    // Only the first free of an allocation the trace knows.
+                    if let Some(span) = spans.get_mut(k).filter(|span| span.1.is_none()) {
                         span.1 = Some(at);
                     }
                 }
@@ -108,6 +105,39 @@ impl Lives {
             spans,
             allocation_at,
         }
+    }
+
+    /// Whether allocation `k` was made at or after event `at` (not held before it).
+    fn made_from(&self, k: usize, at: usize) -> bool {
+        self.spans[k].0.is_some_and(|made| made >= at)
+    }
+
+    /// Which allocations are gradients (see [`added_by_accumulation`]): those made from
+    /// `step_begins` on and never freed, newest first, and those alive when it began and
+    /// freed before the first of them was made, each matching a parameter's size.
+    fn gradients(&self, step_begins: usize, parameters: &[ParamShape]) -> Vec<bool> {
+        let mut is_gradient = vec![false; self.sizes.len()];
+        let mut sizes = SizeCounts::of(parameters);
+        let mut first_made = None;
+        for k in (0..self.sizes.len()).rev() {
+            if self.made_from(k, step_begins)
+                && self.spans[k].1.is_none()
+                && sizes.take(self.sizes[k])
+            {
+                is_gradient[k] = true;
+                first_made = self.spans[k].0;
+            }
+        }
+        let mut sizes = SizeCounts::of(parameters);
+        for k in 0..self.sizes.len() {
+            let freed_before_new = self.spans[k].1.is_some_and(|freed| {
+                freed >= step_begins && first_made.is_none_or(|first| freed < first)
+            });
+            if !self.made_from(k, step_begins) && freed_before_new && sizes.take(self.sizes[k]) {
+                is_gradient[k] = true;
+            }
+        }
+        is_gradient
     }
 
     /// Bytes alive just before event `at`.
@@ -237,12 +267,46 @@ mod tests {
             added_by_accumulation(&step(60, false), &other),
             Some(12 * MIB)
         );
-        // No recorded step, or no parameters: nothing to tell it by.
+        // No recorded step, no event in it, or no parameters: nothing to tell it by.
         let unmarked = AllocTrace {
             marks: vec![],
             ..step(60, false)
         };
         assert_eq!(added_by_accumulation(&unmarked, &parameters()), None);
+        let empty = AllocTrace {
+            events: vec![],
+            ..step(60, false)
+        };
+        assert_eq!(added_by_accumulation(&empty, &parameters()), None);
         assert_eq!(added_by_accumulation(&step(60, false), &[]), None);
+    }
+
+    #[test]
+    fn forward_outputs_alive_at_the_end_are_not_taken_for_gradients() {
+        // Parameters 0 and 1; the step makes logits of a parameter's size (2, alive at its
+        // end, as a loop's `let logits` is), a 40 MiB activation (3), the gradients 4 and 5.
+        let mib = |n: u64| (n * MIB) as i64;
+        let trace = AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(4 * MIB, true); 2],
+            }],
+            events: vec![mib(4), mib(40), mib(4), -4, mib(4)],
+            marks: vec![(0, 0)],
+        };
+        // Plain, the peak is the first gradient made beside the activation: 56 MiB. Held, the
+        // other gradient is there too, and the first is made as a temporary on top of both
+        // (`grad += new`): 64 MiB. Taking the logits for a gradient would say 4 MiB.
+        assert_eq!(added_by_accumulation(&trace, &parameters()), Some(8 * MIB));
+    }
+
+    #[test]
+    fn frees_the_trace_cannot_place_are_left_out() {
+        // A free of a number never made, and a second free of the first activation (4): the
+        // same answer as without them.
+        let mut trace = step(60, false);
+        trace.events.insert(3, -100);
+        trace.events.push(-5);
+        assert_eq!(added_by_accumulation(&trace, &parameters()), Some(4 * MIB));
     }
 }
