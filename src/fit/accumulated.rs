@@ -129,12 +129,12 @@ impl Lives {
             }
         }
         let mut sizes = SizeCounts::of(parameters);
-        for k in 0..self.sizes.len() {
+        for (k, gradient) in is_gradient.iter_mut().enumerate() {
             let freed_before_new = self.spans[k].1.is_some_and(|freed| {
                 freed >= step_begins && first_made.is_none_or(|first| freed < first)
             });
             if !self.made_from(k, step_begins) && freed_before_new && sizes.take(self.sizes[k]) {
-                is_gradient[k] = true;
+                *gradient = true;
             }
         }
         is_gradient
