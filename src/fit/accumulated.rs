@@ -37,9 +37,10 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
         .filter(|&k| is_gradient[k] && !lives.made_from(k, step_begins))
         .map(|k| lives.sizes[k])
         .sum();
+    // What is alive with every gradient held in place of those alive.
+    let held = |alive: u64, gradients_alive: u64| alive.saturating_sub(gradients_alive) + gradients;
     let mut alive = lives.alive_before(step_begins);
-    let (mut plain_peak, mut held_peak) =
-        (alive, alive.saturating_sub(gradients_alive) + gradients);
+    let (mut plain_peak, mut held_peak) = (alive, held(alive, gradients_alive));
     for (at, event) in trace.decoded().enumerate().skip(step_begins) {
         match event {
             AllocEvent::Alloc(_) => {
@@ -47,7 +48,7 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
                 alive += lives.sizes[k];
                 if is_gradient[k] {
                     // Held, this is `new` in `grad += new`, on top of every gradient.
-                    held_peak = held_peak.max(alive.saturating_sub(gradients_alive) + gradients);
+                    held_peak = held_peak.max(held(alive, gradients_alive));
                     gradients_alive += lives.sizes[k];
                 }
             }
@@ -61,7 +62,7 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
             AllocEvent::Free(_) => continue,
         }
         plain_peak = plain_peak.max(alive);
-        held_peak = held_peak.max((alive + gradients).saturating_sub(gradients_alive));
+        held_peak = held_peak.max(held(alive, gradients_alive));
     }
     Some(held_peak.saturating_sub(plain_peak).min(gradients))
 }
@@ -154,7 +155,6 @@ impl Lives {
 }
 
 /// A multiset of parameter sizes (rounded as the allocator rounds them).
-#[derive(Clone)]
 struct SizeCounts(HashMap<u64, usize>);
 
 impl SizeCounts {
