@@ -45,6 +45,8 @@ pub enum ErrorName {
     NoStep,
     /// `%memfree` got an answer it could not read from the runtime.
     MemFreeFailed,
+    /// The ranks of a `%%distributed` world could not be started.
+    WorldFailed,
 }
 
 impl ErrorName {
@@ -69,6 +71,7 @@ impl ErrorName {
             ErrorName::CompareFailed => "CompareFailed",
             ErrorName::NoStep => "NoStep",
             ErrorName::MemFreeFailed => "MemFreeFailed",
+            ErrorName::WorldFailed => "WorldFailed",
         }
     }
 

@@ -167,6 +167,12 @@ impl<R: Runner> Cells<R> {
                     self.timelines.next = None;
                     outcome
                 }
+                Ok(CellMagic::Distributed(_)) => fail(CellError::new(
+                    ErrorName::MagicError,
+                    "%%memprofile records the notebook's own process; the ranks of a \
+                     %%distributed cell are not recorded yet. Run the cell without %%memprofile."
+                        .to_string(),
+                )),
                 Ok(CellMagic::MemProfile(_)) => fail(CellError::new(
                     ErrorName::MagicError,
                     "%%memprofile appears twice at the top of this cell; keep one.".to_string(),

@@ -3,6 +3,7 @@
 //! the runner, so all of it is tested over a fake one (see `tests`); knows nothing of evcxr.
 
 mod auto_watch;
+mod distributed;
 mod estimate_model;
 mod fit;
 pub mod live;
@@ -59,6 +60,8 @@ pub struct Cells<R> {
     /// Where the running cell's output goes, while it runs: trials, whose own output is dropped,
     /// show their live view there.
     cell_output: Option<OutputSink>,
+    /// The ranks that run `%%distributed` cells, once one ran.
+    world: Option<distributed::World<R>>,
 }
 
 /// Where a report's displays go: the cell's output.
@@ -142,6 +145,7 @@ impl<R: Runner> Cells<R> {
             history: Vec::new(),
             live_label: None,
             cell_output: None,
+            world: None,
         }
     }
 
@@ -172,6 +176,7 @@ impl<R: Runner> Cells<R> {
                 Ok(CellMagic::MemProfile(request)) => self.memprofile(request, &source, io),
                 Ok(CellMagic::Estimate(request)) => self.memestimate(&request, &source, io),
                 Ok(CellMagic::Fit(args)) => self.memfit(&args, &source, io),
+                Ok(CellMagic::Distributed(request)) => self.distributed(&request, &source, io),
                 Err(reply) => cell_magic_reply(reply),
             };
         }

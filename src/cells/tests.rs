@@ -109,6 +109,8 @@ struct FakeRunner {
     ran: Vec<String>,
     generation: u64,
     variables: Vec<(String, String)>,
+    /// The ranks of each world started from this runner.
+    worlds: Vec<usize>,
 }
 
 impl FakeRunner {
@@ -118,6 +120,7 @@ impl FakeRunner {
             ran: Vec::new(),
             generation: 0,
             variables: Vec::new(),
+            worlds: Vec::new(),
         }
     }
 
@@ -159,6 +162,14 @@ impl Runner for FakeRunner {
 
     fn generated_source(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    fn start_world(&mut self, ranks: usize) -> Result<FakeRunner, String> {
+        if ranks == 3 {
+            return Err("three is a crowd".into());
+        }
+        self.worlds.push(ranks);
+        Ok(FakeRunner::new(|_| CellOutcome::default()))
     }
 }
 
@@ -623,4 +634,50 @@ fn an_estimate_whose_replay_fails_keeps_the_trials_line() {
         "{row}"
     );
     assert!(row.contains(" 6.0 GiB "), "{row}");
+}
+
+#[test]
+fn distributed_cells_run_in_one_world_kept_until_its_ranks_change() {
+    let mut cells = Cells::new(
+        FakeRunner::new(|_| CellOutcome::default()),
+        std::env::temp_dir(),
+    );
+    let shown = Shown::default();
+    let first = cells.execute("%%distributed --procs 2\nlet r = 1;\n", shown.io());
+    assert!(first.error.is_none(), "{:?}", first.error);
+    assert!(shown.all().contains("2 ranks started"), "{}", shown.all());
+    cells.execute("%%distributed --procs 2\nprintln!(\"{r}\");", shown.io());
+    assert_eq!(cells.runner.worlds, vec![2]);
+    let world = cells.world.as_ref().unwrap();
+    // The body alone, on the magic's line a blank one: compile errors name the cell's lines.
+    assert_eq!(
+        world.runner.ran,
+        vec!["\nlet r = 1;\n", "\nprintln!(\"{r}\");"]
+    );
+    assert!(
+        cells.runner.ran.is_empty(),
+        "the notebook's own process ran nothing"
+    );
+    cells.execute("%%distributed --procs 4\n1", shown.io());
+    assert_eq!(cells.runner.worlds, vec![2, 4]);
+    assert!(shown.all().contains("world of 2 ranks is stopped"));
+    assert_eq!(cells.world.as_ref().unwrap().runner.ran, vec!["\n1"]);
+    let failed = cells.execute("%%distributed --procs 3\n1", shown.io());
+    let error = failed.error.unwrap();
+    assert_eq!(error.ename, ErrorName::WorldFailed);
+    assert!(
+        error.evalue.contains("three is a crowd"),
+        "{}",
+        error.evalue
+    );
+    let flag = cells
+        .execute("%%distributed --procs\n1", shown.io())
+        .error
+        .unwrap();
+    assert_eq!(flag.ename, ErrorName::MagicError);
+    let empty = cells
+        .execute("%%distributed --procs 2\n", shown.io())
+        .error
+        .unwrap();
+    assert!(empty.evalue.contains("nothing after"), "{}", empty.evalue);
 }

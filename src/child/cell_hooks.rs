@@ -89,6 +89,7 @@ impl CellHooks {
             timeline,
             stopped,
             interrupt_seen,
+            rank_memory: Vec::new(),
         };
         let json = serde_json::to_string(&report).unwrap_or_else(|_| "{}".into());
         let begin = format!("EVCXR_BEGIN_CONTENT {CELL_REPORT_MIME}");

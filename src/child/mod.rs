@@ -12,14 +12,17 @@ mod cell_hooks;
 mod evcxr_content;
 mod interrupt;
 mod live;
+mod rank_lines;
 mod runtime_slot;
 mod stdout_tap;
+pub mod world;
 
 use std::ffi::c_void;
 use std::io::BufRead;
 
 use crate::libtorch::CudaLibrary;
 use cell_hooks::CellHooks;
+use rank_lines::EXECUTION_COMPLETE;
 use stdout_tap::StdoutTap;
 
 /// Environment variable that makes this binary act as the cell-running child.
@@ -28,9 +31,6 @@ pub const CHILD_ENV: &str = "TCHMEM_CHILD";
 /// The function evcxr builds first, for its warm-up eval of `42`.
 const WARM_UP_FUNCTION: &str = "run_user_code_0";
 
-/// The line evcxr waits for after each cell.
-const EXECUTION_COMPLETE: &str = "EVCXR_EXECUTION_COMPLETE";
-
 /// True when this process was started by the engine to run cells.
 pub fn is_child_process() -> bool {
     std::env::var_os(CHILD_ENV).is_some()
@@ -38,6 +38,9 @@ pub fn is_child_process() -> bool {
 
 /// Runs the child loop until stdin closes; never returns.
 pub fn run() -> ! {
+    if let Some(ranks) = world::ranks_from_env() {
+        world::run(ranks);
+    }
     // libtorch_cuda (and the CUDA libraries under it) takes seconds to load: it loads while
     // evcxr compiles its warm-up and the prelude, and every cell but the warm-up waits for it.
     let mut cuda = CudaLoad::start();

@@ -5,6 +5,7 @@
 //! cell, if any, runs as usual. A cell magic (`%%optimize`) is the first line of its cell and
 //! takes the rest of the cell as its body: see [`cell_magic`].
 
+pub mod distributed;
 pub mod fit;
 pub mod memprofile;
 pub mod optimize;
@@ -131,7 +132,7 @@ struct MemHistoryArgs {}
 struct MemSummaryArgs {}
 
 const MAGICS: &str = "%memprofile, %memhistory, %memsummary, %memsnapshot, %memestimate, \
-                      %memfit, %memfree, %%memprofile, %%optimize";
+                      %memfit, %memfree, %%memprofile, %%optimize, %%distributed";
 
 /// Line magics that act on the training cell below them (the rest of the cell), or, with
 /// nothing below, on the last training cell that ran.
@@ -160,6 +161,8 @@ pub enum CellMagic {
     Estimate(fit::EstimateRequest),
     /// `%memfit …`: find the largest batch that fits.
     Fit(fit::FitRequest),
+    /// `%%distributed --procs N`: run the body in N ranks of one process group.
+    Distributed(distributed::DistributedRequest),
 }
 
 /// The cell magic of a cell whose first non-blank line starts with `%%`, if it has one.
@@ -216,11 +219,22 @@ pub fn parse_cell(source: &CellMagicSource<'_>) -> Result<CellMagic, MagicReply>
             }
             Ok(CellMagic::MemProfile(request))
         }
+        "%%distributed" => {
+            let request = distributed::parse_args(&args)?;
+            if source.body.trim().is_empty() {
+                return Err(MagicReply::Error(
+                    "%%distributed runs the code below it, in the same cell, in every rank; this \
+                     cell has nothing after the %%distributed line."
+                        .to_string(),
+                ));
+            }
+            Ok(CellMagic::Distributed(request))
+        }
         "%memestimate" | "%%memestimate" => fit::parse_estimate(&args).map(CellMagic::Estimate),
         "%memfit" | "%%memfit" => fit::parse_fit(&args).map(CellMagic::Fit),
         other => Err(MagicReply::Error(format!(
-            "unknown cell magic {other}; tchmem knows %%memprofile and %%optimize (each takes \
-             --help). Line magics ({MAGICS}) start with a single %."
+            "unknown cell magic {other}; tchmem knows %%memprofile, %%optimize and \
+             %%distributed (each takes --help). Line magics ({MAGICS}) start with a single %."
         ))),
     }
 }

@@ -145,6 +145,29 @@ const MAX_COLUMNS: usize = 120;
 /// An SVG with one column per run (the latest [`MAX_COLUMNS`]), stacked by category, for
 /// `%memhistory`.
 pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> {
+    stacked_columns(
+        "memory after each run (stacked by category)",
+        "run (the cell's execution count)",
+        runs,
+    )
+}
+
+/// An SVG with one column per rank of a `%%distributed` world, stacked by category.
+pub fn rank_columns(ranks: &[(usize, &[Category])]) -> Result<String, String> {
+    stacked_columns(
+        "memory of each rank after the cell (stacked by category)",
+        "rank",
+        ranks,
+    )
+}
+
+/// An SVG with one column per numbered record (the latest [`MAX_COLUMNS`]), stacked by
+/// category: `title` above, `axis` under the numbers.
+fn stacked_columns(
+    title: &str,
+    axis: &str,
+    runs: &[(usize, &[Category])],
+) -> Result<String, String> {
     let runs = &runs[runs.len().saturating_sub(MAX_COLUMNS)..];
     let totals: Vec<u64> = runs
         .iter()
@@ -170,7 +193,6 @@ pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> 
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let text = font(TEXT_PX);
-        let title = "memory after each run (stacked by category)";
         root.draw(&Text::new(title, (10, 8), font(TITLE_PX)))
             .map_err(|e| e.to_string())?;
         let scale = (bottom - top) as f64 / highest as f64;
@@ -213,12 +235,8 @@ pub fn history_columns(runs: &[(usize, &[Category])]) -> Result<String, String> 
                     .map_err(|e| e.to_string())?;
             }
         }
-        root.draw(&Text::new(
-            "run (the cell's execution count)",
-            (left, bottom + 24),
-            text.clone(),
-        ))
-        .map_err(|e| e.to_string())?;
+        root.draw(&Text::new(axis, (left, bottom + 24), text.clone()))
+            .map_err(|e| e.to_string())?;
         legend(&root, &shown, left, bottom + 48, width as i32 - left)?;
         root.present().map_err(|e| e.to_string())?;
     }

@@ -3,6 +3,7 @@
 
 mod chart;
 pub mod compare;
+pub mod distributed;
 pub mod fit;
 pub mod format;
 pub mod live;
@@ -176,33 +177,50 @@ fn html(record: &MemoryRecord, chart: &str) -> String {
     )
 }
 
-/// The history of all cells' records as a table (`%memhistory`).
-pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
-    let mut text = String::from("run  device   bytes      change     peak       reserved\n");
-    let mut rows = String::new();
-    for (run, record) in records {
-        let (allocated, change, peak, reserved) = match &record.cuda {
-            Some(c) => (
-                human_bytes(c.after.allocated),
-                signed_bytes(c.after.allocated as i128 - c.before.allocated as i128),
-                human_bytes(c.peak.allocated),
-                human_bytes(c.after.reserved),
-            ),
-            None => {
-                let known: u64 = record.categories.iter().map(|c| c.bytes).sum();
-                (human_bytes(known), "-".into(), "-".into(), "-".into())
-            }
-        };
+/// A record's bytes (allocated on CUDA; the watched tensors' on CPU), the cell's change of them,
+/// the peak and the reserved bytes, as shown in tables ("-" where the record has none).
+pub(crate) fn counters(record: &MemoryRecord) -> [String; 4] {
+    match &record.cuda {
+        Some(c) => [
+            human_bytes(c.after.allocated),
+            signed_bytes(c.after.allocated as i128 - c.before.allocated as i128),
+            human_bytes(c.peak.allocated),
+            human_bytes(c.after.reserved),
+        ],
+        None => {
+            let known: u64 = record.categories.iter().map(|c| c.bytes).sum();
+            [human_bytes(known), "-".into(), "-".into(), "-".into()]
+        }
+    }
+}
+
+/// Numbered records as a table, text and HTML rows (the header row first): `column` names the
+/// numbers (a run, a rank).
+pub(crate) fn records_table(column: &str, records: &[(usize, MemoryRecord)]) -> (String, String) {
+    let mut text = format!("{column:<4} device   bytes      change     peak       reserved\n");
+    let mut rows = format!(
+        "<tr><th>{column}</th><th>device</th>\
+         <th title='allocated on CUDA; watched tensors on CPU'>bytes</th><th>change</th>\
+         <th>peak</th><th>reserved</th></tr>"
+    );
+    for (number, record) in records {
+        let [allocated, change, peak, reserved] = counters(record);
         text.push_str(&format!(
-            "{run:<4} {:<8} {allocated:<10} {change:<10} {peak:<10} {reserved}\n",
+            "{number:<4} {:<8} {allocated:<10} {change:<10} {peak:<10} {reserved}\n",
             record.device
         ));
         rows.push_str(&format!(
-            "<tr><td>{run}</td><td>{}</td><td>{allocated}</td><td>{change}</td><td>{peak}</td>\
-             <td>{reserved}</td></tr>",
+            "<tr><td>{number}</td><td>{}</td><td>{allocated}</td><td>{change}</td>\
+             <td>{peak}</td><td>{reserved}</td></tr>",
             record.device
         ));
     }
+    (text, rows)
+}
+
+/// The history of all cells' records as a table (`%memhistory`).
+pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
+    let (mut text, rows) = records_table("run", records);
     if records.is_empty() {
         text = "no memory records yet (they need tch in the kernel)".into();
     }
@@ -219,10 +237,7 @@ pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
     data.insert("text/plain".into(), Value::String(text));
     data.insert(
         "text/html".into(),
-        Value::String(format!(
-            "{chart}<table><tr><th>run</th><th>device</th><th title='allocated on CUDA; watched tensors on CPU'>bytes</th><th>change</th>\
-             <th>peak</th><th>reserved</th></tr>{rows}</table>"
-        )),
+        Value::String(format!("{chart}<table>{rows}</table>")),
     );
     Display {
         data,

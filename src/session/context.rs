@@ -8,6 +8,7 @@ use anyhow::Context;
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
 use super::analysis_std::AnalysisStd;
+use crate::child::world::RANKS_ENV;
 use crate::child::CHILD_ENV;
 
 /// The tch version the runtime crate and cells use (it must match libtorch 2.11).
@@ -19,6 +20,12 @@ pub const ANYHOW_VERSION: &str = "1";
 /// Run in every new child process once the prelude is compiled: the runtime's panic hook lives
 /// in the child's standard library, so a restarted child needs it again.
 pub const CHILD_SETUP: &str = "tchmem::__kernel_session_start();";
+
+/// Run in each rank of a `%%distributed` world after [`CHILD_SETUP`]: it joins the group its
+/// launcher described in the environment (see `child::world`).
+const JOIN_THE_WORLD: &str = "if let Err(error) = tchmem::dist::Setup::from_env()\
+                              .and_then(|setup| tchmem::dist::init(&setup)) {\
+                              panic!(\"this rank could not join the world: {error}\"); }";
 
 /// How the engine is set up.
 #[derive(Debug, Clone)]
@@ -38,6 +45,9 @@ pub struct EngineConfig {
     /// The standard library the code analysis reads: none for evcxr's warm-up, then the
     /// library's crates (set by [`EngineConfig::apply_to_process_environment`]).
     pub analysis_std: Option<AnalysisStd>,
+    /// A `%%distributed` world's session: how many ranks run each cell (`None`: the notebook's
+    /// own session, one process).
+    pub ranks: Option<usize>,
 }
 
 impl EngineConfig {
@@ -54,6 +64,28 @@ impl EngineConfig {
             workdir,
             warm_up_analysis: false,
             analysis_std: None,
+            ranks: None,
+        }
+    }
+
+    /// The configuration of a world of `ranks` processes beside this session, compiling in
+    /// `workdir` (see [`super::workdir::prepare_world`]).
+    pub fn world(&self, ranks: usize, workdir: PathBuf) -> EngineConfig {
+        EngineConfig {
+            workdir,
+            warm_up_analysis: false,
+            analysis_std: None,
+            ranks: Some(ranks),
+            ..self.clone()
+        }
+    }
+
+    /// Code that sets up a fresh child process: the runtime's panic hook, and in a world each
+    /// rank's place in the process group.
+    pub fn child_setup(&self) -> String {
+        match self.ranks {
+            None => CHILD_SETUP.to_string(),
+            Some(_) => format!("{CHILD_SETUP}\n{JOIN_THE_WORLD}"),
         }
     }
 
@@ -121,9 +153,10 @@ impl EngineConfig {
              // A cell ending in a Debug value compiles once; a crate of its own, so that a\n\
              // cell naming nothing of tch does not load and link the runtime (see tchmem-show).\n\
              use tchmem_show::ShowDebugValue as _;\n\
-             {CHILD_SETUP}\n",
+             {}\n",
             self.runtime_crate.display(),
-            self.show_crate().display()
+            self.show_crate().display(),
+            self.child_setup()
         ))
     }
 
@@ -163,6 +196,14 @@ pub fn create_context(
     child
         .env(CHILD_ENV, "1")
         .env("LD_LIBRARY_PATH", config.child_library_path()?);
+    if let Some(ranks) = config.ranks {
+        child.env(RANKS_ENV, ranks.to_string());
+    }
+    // evcxr reads where to compile from the environment as it creates a context: a world
+    // compiles beside the notebook's session, in a folder of its own.
+    if std::env::var_os("EVCXR_TMPDIR").as_deref() != Some(config.workdir.as_os_str()) {
+        std::env::set_var("EVCXR_TMPDIR", &config.workdir);
+    }
     if let Some(std) = &config.analysis_std {
         std.hide_from(&mut child);
     }

@@ -182,7 +182,7 @@ pub struct Session {
     fatal: Option<String>,
     /// Code that sets up a fresh child process (installs the runtime's panic hook); re-run after
     /// the child was restarted.
-    child_setup: Option<&'static str>,
+    child_setup: Option<String>,
     /// The child was restarted (crash, interrupt) and has not been set up again.
     child_restarted: bool,
     /// How many times a new child replaced the old one (see [`Runner::process_generation`]).
@@ -193,6 +193,8 @@ pub struct Session {
     /// written (cells then keep evcxr's level, and are read as edition 2021).
     cell_build: Option<cell_build::CellBuild>,
     control: Arc<Control>,
+    /// How this session was set up (a `%%distributed` world is set up from it).
+    config: EngineConfig,
 }
 
 impl Session {
@@ -209,6 +211,7 @@ impl Session {
             workdir: config.workdir.clone(),
             cell_build: None,
             control,
+            config: config.clone(),
         };
         match create_context(&config) {
             Ok((context, outputs)) => {
@@ -251,7 +254,7 @@ impl Session {
                 started.elapsed().as_secs_f64()
             );
             if outcome.error.is_none() {
-                session.child_setup = Some(context::CHILD_SETUP);
+                session.child_setup = Some(config.child_setup());
                 session
                     .control
                     .boundaries
@@ -342,6 +345,8 @@ impl Session {
                 None => String::new(),
             },
         };
+        // The interrupt goes to this session's child (a world's cells run in another one).
+        self.control.set_child(context.process_handle());
         let child_before = self.control.child_pid();
         self.control.set_running(true);
         let started = Instant::now();
@@ -437,13 +442,13 @@ impl Session {
         if !std::mem::take(&mut self.child_restarted) {
             return;
         }
-        let Some(setup) = self.child_setup else {
+        let Some(setup) = self.child_setup.clone() else {
             return;
         };
         // The first cell after evcxr's :restart can take the new child down again (evcxr still
         // expects the old variables); evcxr then starts a clean one, so one more try.
         for attempt in 1..=2 {
-            let outcome = self.run_code(setup, CellIo::quiet());
+            let outcome = self.run_code(&setup, CellIo::quiet());
             match outcome.error {
                 None => break,
                 Some(error) => tracing::warn!(
@@ -518,6 +523,27 @@ impl Session {
 impl Runner for Session {
     fn run(&mut self, code: &str, io: CellIo) -> CellOutcome {
         self.run_code(code, io)
+    }
+
+    fn start_world(&mut self, ranks: usize) -> Result<Session, String> {
+        if !self.prelude_loaded() {
+            return Err(
+                "a %%distributed world needs tch and the tchmem runtime, which this \
+                        kernel could not load (see its first cell's message)"
+                    .to_string(),
+            );
+        }
+        let workdir =
+            workdir::prepare_world(&self.workdir).map_err(|error| format!("{error:#}"))?;
+        let mut world =
+            Session::start(self.config.world(ranks, workdir), Arc::clone(&self.control));
+        if let Some(why) = world.fatal.take() {
+            return Err(why);
+        }
+        if !world.prelude_loaded() {
+            return Err(world.notices.join("\n"));
+        }
+        Ok(world)
     }
 
     fn has_runtime(&self) -> bool {

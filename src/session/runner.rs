@@ -29,4 +29,10 @@ pub trait Runner {
 
     /// The source of the crate the last cell was compiled in, by line (stack frames point there).
     fn generated_source(&self) -> Vec<String>;
+
+    /// Starts a runner for a `%%distributed` world of `ranks` processes beside this one: each of
+    /// its cells runs in every rank, with variables of its own. `Err`: why it could not start.
+    fn start_world(&mut self, ranks: usize) -> Result<Self, String>
+    where
+        Self: Sized;
 }

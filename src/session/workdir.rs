@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
@@ -47,6 +47,73 @@ pub fn acquire(root: PathBuf) -> anyhow::Result<Workdir> {
     )
 }
 
+/// The folder a `%%distributed` world compiles in: beside `main` (`slot-N-world` beside
+/// `slot-N`), so the same lock owns it. A new one starts from a copy of `main`'s build of the
+/// dependencies: tch's native part alone takes minutes to build, and the world's cells use the
+/// same crates. (Not the cells' incremental state, nor their libraries: the world builds its
+/// own.)
+pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
+    let name = main
+        .file_name()
+        .with_context(|| format!("{} has no folder name", main.display()))?;
+    let mut world_name = name.to_os_string();
+    world_name.push("-world");
+    let world = main.with_file_name(world_name);
+    let target = world.join("target");
+    if target.exists() {
+        return Ok(world);
+    }
+    let partial = world.join("target.partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial)
+        .with_context(|| format!("cannot create {}", partial.display()))?;
+    let from = main.join("target");
+    for entry in std::fs::read_dir(&from).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if !path.is_dir() {
+            copy(&path, &partial)?;
+        } else if entry.file_name() == "debug" {
+            // Build scripts and proc macros, built for the host.
+            copy(&path, &partial)?;
+        } else {
+            // The cells' target (`x86_64-unknown-linux-gnu/debug/…`).
+            let built = path.join("debug");
+            let into = partial.join(entry.file_name()).join("debug");
+            std::fs::create_dir_all(&into)?;
+            for part in ["deps", "build", ".fingerprint"] {
+                if built.join(part).exists() {
+                    copy(&built.join(part), &into)?;
+                }
+            }
+        }
+    }
+    std::fs::rename(&partial, &target).with_context(|| {
+        format!(
+            "cannot rename {} to {}",
+            partial.display(),
+            target.display()
+        )
+    })?;
+    Ok(world)
+}
+
+/// `cp -a` (reflinks where the file system has them): keeps the times cargo compares.
+fn copy(from: &Path, into: &Path) -> anyhow::Result<()> {
+    let status = std::process::Command::new("cp")
+        .args(["-a", "--reflink=auto"])
+        .arg(from)
+        .arg(into)
+        .status()
+        .context("cannot run cp")?;
+    anyhow::ensure!(
+        status.success(),
+        "cp -a {} {} failed ({status})",
+        from.display(),
+        into.display()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::acquire;
@@ -62,6 +129,39 @@ mod tests {
         let third = acquire(root.clone()).unwrap();
         assert_eq!(third.path, first_path);
         drop((second, third));
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_world_starts_from_the_dependencies_built_for_its_session() {
+        let root = std::env::temp_dir().join(format!("tchmem-world-dir-{}", std::process::id()));
+        let main = root.join("slot-0");
+        let cells = main.join("target/x86_64-unknown-linux-gnu/debug");
+        for dir in ["deps", "build", ".fingerprint", "incremental"] {
+            std::fs::create_dir_all(cells.join(dir)).unwrap();
+            std::fs::write(cells.join(dir).join("a"), dir).unwrap();
+        }
+        std::fs::write(cells.join("libcode_3.so"), "cell").unwrap();
+        std::fs::create_dir_all(main.join("target/debug/build")).unwrap();
+        std::fs::write(main.join("target/.rustc_info.json"), "{}").unwrap();
+        let world = super::prepare_world(&main).unwrap();
+        assert_eq!(world, root.join("slot-0-world"));
+        let copied = world.join("target/x86_64-unknown-linux-gnu/debug");
+        assert_eq!(
+            std::fs::read_to_string(copied.join("deps/a")).unwrap(),
+            "deps"
+        );
+        assert!(copied.join(".fingerprint/a").exists() && copied.join("build/a").exists());
+        assert!(!copied.join("incremental").exists() && !copied.join("libcode_3.so").exists());
+        assert!(world.join("target/debug/build").is_dir());
+        assert!(world.join("target/.rustc_info.json").is_file());
+        // Once made, the world's own build is kept.
+        std::fs::write(copied.join("deps/a"), "the world's").unwrap();
+        super::prepare_world(&main).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(copied.join("deps/a")).unwrap(),
+            "the world's"
+        );
         std::fs::remove_dir_all(root).unwrap();
     }
 }

@@ -24,6 +24,10 @@ use serde_json::{Map, Value};
 /// cell's displayed outputs.
 pub const CELL_REPORT_MIME: &str = "application/vnd.tchmem.cell-report+json";
 
+/// The most ranks a `%%distributed` world may have: each is a process with its own libtorch
+/// (the magic refuses more; the world's launcher keeps one slot per rank).
+pub const MAX_RANKS: usize = 64;
+
 /// Prefix of the stderr line that ends a cell's stderr; the cell's sync token follows it.
 pub const STDERR_SYNC_PREFIX: &str = "TCHMEM_STDERR_SYNC ";
 
@@ -81,6 +85,10 @@ pub struct CellReport {
     /// The cell's own code saw an interrupt (`tchmem::interrupted()`) and ended as it chose.
     #[serde(default)]
     pub interrupt_seen: bool,
+    /// In a `%%distributed` world: every rank's record, by rank (`None` for a rank whose
+    /// runtime sent none); empty elsewhere. Rank 0's is also `memory`.
+    #[serde(default)]
+    pub rank_memory: Vec<Option<memory::MemoryRecord>>,
 }
 
 /// What the runtime's after-cell hook hands the child: the cell's memory record and, beside

@@ -3,6 +3,9 @@
 
 /// A cell's memory record (`MemoryRecord` as JSON).
 pub const RECORD_MIME: &str = "application/vnd.tchmem.record+json";
+/// Each rank's record after a `%%distributed` cell (a JSON list, by rank; `null` for a rank
+/// that sent none).
+pub const RANKS_MIME: &str = "application/vnd.tchmem.ranks+json";
 /// `%memestimate`'s prediction: terms, totals, the verdict.
 pub const ESTIMATE_MIME: &str = "application/vnd.tchmem.estimate+json";
 /// A table of trials (`%memfit`, calibrations, `--fit`).

@@ -1,0 +1,342 @@
+//! The child of a `%%distributed` world: it runs no cells itself but starts one cell-running
+//! child per rank and stands between them and evcxr.
+//!
+//! evcxr talks to it as to any child: every instruction (`LOAD_AND_RUN …`) goes to every rank;
+//! while a cell runs, what evcxr writes (an answer to an input request) goes to rank 0 (the
+//! other ranks' requests get an empty line). Each
+//! rank's lines are routed by [`RankLines`]; the cell ends for evcxr once every rank ended it.
+//! A rank that dies takes the world down (the others are stopped, and this process exits, which
+//! evcxr reports as a crash and answers by starting a new world). A rank that panicked while
+//! another still runs, after [`PANIC_GRACE`], likewise: the others are most likely waiting for
+//! it in a collective, which would otherwise last the group's whole timeout.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use super::rank_lines::{report_block, RankLines, Routed, EXECUTION_COMPLETE, PANIC_NOTIFICATION};
+use tchmem_wire::CellReport;
+use tchmem_wire::MAX_RANKS;
+
+/// Set on the world's child: how many ranks it starts.
+pub const RANKS_ENV: &str = "TCHMEM_WORLD_RANKS";
+/// How long the other ranks may still run after one panicked.
+pub const PANIC_GRACE: Duration = Duration::from_secs(5);
+
+/// The ranks' process ids, for the signal handler (0: none).
+static RANK_PIDS: [AtomicI32; MAX_RANKS] = [const { AtomicI32::new(0) }; MAX_RANKS];
+
+/// How many ranks this process should start, when it is a world's child.
+pub fn ranks_from_env() -> Option<usize> {
+    let ranks = std::env::var(RANKS_ENV).ok()?.trim().parse().ok()?;
+    (1..=MAX_RANKS).contains(&ranks).then_some(ranks)
+}
+
+/// What the launcher waits on.
+enum Event {
+    /// A line from evcxr.
+    Instruction(String),
+    /// evcxr closed our stdin: the kernel is done with the world.
+    InstructionsEnded,
+    /// A line a rank wrote.
+    Line {
+        rank: usize,
+        stderr: bool,
+        line: String,
+    },
+    /// A rank closed one of its streams (it ended).
+    Closed { rank: usize },
+}
+
+/// A running rank.
+struct Rank {
+    process: Child,
+    stdin: ChildStdin,
+    lines: RankLines,
+}
+
+/// Runs the world's launcher until evcxr closes stdin; never returns.
+pub fn run(ranks: usize) -> ! {
+    let store = store_path();
+    let (events, received) = mpsc::channel();
+    let mut world = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        match start_rank(rank, ranks, &store, &events) {
+            Ok(started) => world.push(started),
+            Err(error) => {
+                eprintln!("tchmem world: cannot start rank {rank} of {ranks}: {error}");
+                stop(&mut world, &store, 97);
+            }
+        }
+    }
+    forward_signals();
+    read_instructions(events);
+    let mut cell_running = false;
+    let mut first_panic: Option<(usize, Instant)> = None;
+    loop {
+        let event = match first_panic {
+            Some((_, at)) => {
+                match received.recv_timeout(PANIC_GRACE.saturating_sub(at.elapsed())) {
+                    Ok(event) => event,
+                    Err(RecvTimeoutError::Timeout) => {
+                        let panicked = first_panic.map_or(0, |(rank, _)| rank);
+                        let waiting: Vec<String> = world
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, rank)| !rank.lines.done())
+                            .map(|(number, _)| number.to_string())
+                            .collect();
+                        eprintln!(
+                        "[world] rank {panicked} panicked, and rank(s) {} had not finished {} s \
+                         later (waiting for it in a collective?): the world's processes are \
+                         stopped; the next %%distributed cell starts a new world",
+                        waiting.join(", "),
+                        PANIC_GRACE.as_secs()
+                    );
+                        stop(&mut world, &store, 1);
+                    }
+                    Err(RecvTimeoutError::Disconnected) => stop(&mut world, &store, 1),
+                }
+            }
+            None => match received.recv() {
+                Ok(event) => event,
+                Err(_) => stop(&mut world, &store, 1),
+            },
+        };
+        match event {
+            Event::Instruction(line) => {
+                let targets = if cell_running { 1 } else { world.len() };
+                if !cell_running && line.starts_with("LOAD_AND_RUN ") {
+                    cell_running = true;
+                    first_panic = None;
+                    for rank in &mut world {
+                        rank.lines.next_cell();
+                    }
+                }
+                for rank in world.iter_mut().take(targets) {
+                    // A rank that cannot be written to has ended: its streams' end says so.
+                    let _ = writeln!(rank.stdin, "{line}").and_then(|()| rank.stdin.flush());
+                }
+            }
+            Event::InstructionsEnded => stop(&mut world, &store, 0),
+            Event::Line { rank, stderr, line } => {
+                let routed = if stderr {
+                    world[rank].lines.stderr(line)
+                } else {
+                    world[rank].lines.stdout(line)
+                };
+                if routed == Routed::AnswerEmpty {
+                    let stdin = &mut world[rank].stdin;
+                    let _ = writeln!(stdin).and_then(|()| stdin.flush());
+                }
+                write_routed(routed);
+                if world[rank].lines.panicked && first_panic.is_none() {
+                    first_panic = Some((rank, Instant::now()));
+                }
+            }
+            Event::Closed { rank } => {
+                let status = world[rank]
+                    .process
+                    .wait()
+                    .map_or_else(|error| error.to_string(), |status| status.to_string());
+                let when = if cell_running {
+                    "during the cell"
+                } else {
+                    "between cells"
+                };
+                eprintln!(
+                    "[world] rank {rank} ended {when} ({status}): the other ranks are stopped; \
+                     the next %%distributed cell starts a new world"
+                );
+                stop(&mut world, &store, 1);
+            }
+        }
+        if cell_running && world.iter().all(|rank| rank.lines.done()) {
+            cell_running = false;
+            first_panic = None;
+            end_cell(&mut world);
+        }
+    }
+}
+
+/// Tells evcxr the cell ended on every rank: rank 0's report, with every rank's memory record
+/// beside its own and a panic anywhere the cell's panic.
+fn end_cell(world: &mut [Rank]) {
+    let any_panicked = world.iter().any(|rank| rank.lines.panicked);
+    let zero_panicked = world[0].lines.panicked;
+    let reports: Vec<Option<CellReport>> = world
+        .iter_mut()
+        .map(|rank| rank.lines.take_report())
+        .collect();
+    let sync = world[0].lines.take_sync();
+    let mut out = std::io::stdout().lock();
+    if any_panicked && !zero_panicked {
+        let _ = writeln!(out, "{PANIC_NOTIFICATION}");
+    }
+    let rank_memory = reports
+        .iter()
+        .map(|report| report.as_ref().and_then(|report| report.memory.clone()))
+        .collect();
+    if let Some(Some(mut report)) = reports.into_iter().next() {
+        report.panicked |= any_panicked;
+        report.rank_memory = rank_memory;
+        for line in report_block(&report) {
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    let _ = out.flush();
+    if let Some(sync) = sync {
+        let mut err = std::io::stderr().lock();
+        let _ = writeln!(err, "{sync}").and_then(|()| err.flush());
+    }
+    let _ = writeln!(out, "{EXECUTION_COMPLETE}").and_then(|()| out.flush());
+}
+
+fn write_routed(routed: Routed) {
+    match routed {
+        Routed::Stdout(line) => {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+        }
+        Routed::Stderr(line) => {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "{line}").and_then(|()| err.flush());
+        }
+        Routed::Held | Routed::AnswerEmpty => {}
+    }
+}
+
+/// A fresh path for the group's file store (c10d's FileStore wants it absent).
+fn store_path() -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    std::env::temp_dir().join(format!("tchmem-world-{}-{nanos}.store", std::process::id()))
+}
+
+/// Starts rank `rank`: this binary as a cell-running child, told its place in the group.
+fn start_rank(
+    rank: usize,
+    ranks: usize,
+    store: &std::path::Path,
+    events: &Sender<Event>,
+) -> std::io::Result<Rank> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()?;
+    let mut command = Command::new(exe);
+    command
+        .env_remove(RANKS_ENV)
+        .env("TCHMEM_RANK", rank.to_string())
+        .env("TCHMEM_WORLD_SIZE", ranks.to_string())
+        .env("TCHMEM_DIST_STORE", store)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: prctl is async-signal-safe; a rank must not outlive its launcher (the kernel
+    // stops a world's child with SIGKILL, which no handler of ours sees).
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut process = command.spawn()?;
+    let stdin = process.stdin.take().expect("piped stdin");
+    let stdout = process.stdout.take().expect("piped stdout");
+    let stderr = process.stderr.take().expect("piped stderr");
+    pump_lines(rank, false, stdout, events.clone());
+    pump_lines(rank, true, stderr, events.clone());
+    RANK_PIDS[rank].store(process.id() as i32, Ordering::SeqCst);
+    Ok(Rank {
+        process,
+        stdin,
+        lines: RankLines::new(rank),
+    })
+}
+
+/// Sends each line of a rank's stream as an event, then its end (stdout's only: one is enough).
+fn pump_lines(
+    rank: usize,
+    stderr: bool,
+    stream: impl Read + Send + 'static,
+    events: Sender<Event>,
+) {
+    let name = format!("rank-{rank}-{}", if stderr { "stderr" } else { "stdout" });
+    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        for line in BufReader::new(stream).split(b'\n') {
+            let Ok(line) = line else { break };
+            let line = String::from_utf8_lossy(&line).into_owned();
+            if events.send(Event::Line { rank, stderr, line }).is_err() {
+                return;
+            }
+        }
+        if !stderr {
+            let _ = events.send(Event::Closed { rank });
+        }
+    });
+    if let Err(error) = spawned {
+        eprintln!("tchmem world: cannot read rank {rank}'s output: {error}");
+    }
+}
+
+/// Sends evcxr's lines as events, on a thread of their own.
+fn read_instructions(events: Sender<Event>) {
+    let spawned = std::thread::Builder::new()
+        .name("world-stdin".into())
+        .spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if events.send(Event::Instruction(line)).is_err() {
+                    return;
+                }
+            }
+            let _ = events.send(Event::InstructionsEnded);
+        });
+    if let Err(error) = spawned {
+        eprintln!("tchmem world: cannot read instructions: {error}");
+        super::exit_now(99);
+    }
+}
+
+extern "C" fn pass_on(signal: libc::c_int) {
+    // Async-signal-safe: atomic loads and kill(2).
+    for pid in &RANK_PIDS {
+        let pid = pid.load(Ordering::SeqCst);
+        if pid > 0 {
+            // SAFETY: kill(2) on a process id of ours.
+            unsafe { libc::kill(pid, signal) };
+        }
+    }
+}
+
+/// The kernel's interrupt signals (see [`super::interrupt`]) go on to every rank.
+fn forward_signals() {
+    // SAFETY: sigaction with a handler that only reads atomics and calls kill(2).
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = pass_on as *const () as usize;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        for signal in [libc::SIGINT, libc::SIGUSR1, libc::SIGUSR2] {
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// Stops every rank, removes the store and exits with `code`.
+fn stop(world: &mut [Rank], store: &std::path::Path, code: i32) -> ! {
+    for rank in world.iter_mut() {
+        let _ = rank.process.kill();
+    }
+    for rank in world.iter_mut() {
+        let _ = rank.process.wait();
+    }
+    let _ = std::fs::remove_file(store);
+    let _ = std::io::stderr().flush();
+    super::exit_now(code)
+}
