@@ -1,7 +1,7 @@
 """`%%distributed`: a cell run by several processes of one Gloo group, from a real kernel. Each
 rank keeps its own variables between such cells, apart from the notebook's; its output is
-labelled; a panic on one rank while another waits for it in a collective is reported with its
-rank in seconds, and the next cell gets a new world."""
+labelled; a panic on one rank while another waits for it in a collective, or a rank that dies,
+is reported with its rank in seconds, and the next cell gets a new world."""
 
 import re
 import time
@@ -124,6 +124,19 @@ def test_a_rank_that_panics_is_named_and_the_ranks_waiting_for_it_are_stopped(ke
     assert "[rank 1] again 1" in stream_text(messages)
     reply, _ = execute(kc, "%%distributed --procs 2\nr")
     assert reply["status"] == "error"
+
+    # A rank that dies (an abort) stops the others at once, and is named.
+    reply, messages = execute(
+        kc,
+        "%%distributed --procs 2\n"
+        "if tchmem::dist::rank() == 1 { std::process::abort(); }\n"
+        "tchmem::dist::barrier().unwrap();",
+    )
+    assert reply["status"] == "error", reply
+    said = "\n".join(reply["traceback"]) + reply["evalue"] + stream_text(messages, "stderr")
+    assert "rank 1 ended during the cell" in said, said
+    reply, messages = execute(kc, "%%distributed --procs 2\ntchmem::dist::world_size()")
+    assert reply["status"] == "ok", reply
     reply, messages = execute(kc, "home + 1")
     assert reply["status"] == "ok", reply
 
