@@ -6,7 +6,7 @@ is reported with its rank in seconds, and the next cell gets a new world."""
 import re
 import time
 
-from conftest import execute, outputs, stream_text
+from conftest import FIRST_CELL_TIMEOUT, execute, outputs, stream_text
 
 RANKS_MIME = "application/vnd.tchmem.ranks+json"
 
@@ -60,6 +60,8 @@ def test_ranks_keep_their_own_variables_and_label_their_output(kernel):
         "%%distributed --procs 2\n"
         "let r = tchmem::dist::rank();\n"
         'println!("rank {} of {}", r, tchmem::dist::world_size());',
+        # The world's first cell builds its crate; after a change of tchmem, its dependencies too.
+        timeout=FIRST_CELL_TIMEOUT,
     )
     assert reply["status"] == "ok", reply
     out = stream_text(messages)

@@ -149,14 +149,19 @@ impl RankLines {
 
     /// A line of the rank's stderr.
     pub fn stderr(&mut self, line: String) -> Routed {
-        if line.starts_with(STDERR_SYNC_PREFIX) {
-            self.synced = true;
-            if self.rank == 0 {
-                self.sync = Some(line);
-            }
-            return Routed::Held;
+        // Text the cell wrote without a final newline arrives glued to the sync line.
+        let Some(at) = line.find(STDERR_SYNC_PREFIX) else {
+            return Routed::Stderr(self.labelled(&line));
+        };
+        self.synced = true;
+        if self.rank == 0 {
+            self.sync = Some(line[at..].to_string());
         }
-        Routed::Stderr(self.labelled(&line))
+        if at == 0 {
+            Routed::Held
+        } else {
+            Routed::Stderr(self.labelled(&line[..at]))
+        }
     }
 
     /// The cell's report, if the rank sent one (taken: the next cell starts without).
@@ -278,7 +283,11 @@ mod tests {
         assert_eq!(message, "[rank 1] boom");
         assert_eq!(one.stdout(PANIC_NOTIFICATION.into()), Routed::Held);
         assert!(one.panicked);
-        assert_eq!(one.stderr(format!("{STDERR_SYNC_PREFIX}9-1")), Routed::Held);
+        assert_eq!(
+            one.stderr(format!("50%\r{STDERR_SYNC_PREFIX}9-1")),
+            Routed::Stderr("[rank 1] 50%\r".into())
+        );
+        assert!(one.synced);
         assert_eq!(one.stdout(EXECUTION_COMPLETE.into()), Routed::Held);
         assert!(one.done());
         assert_eq!(one.take_report(), Some(report(false)));

@@ -25,6 +25,9 @@ use tchmem_wire::MAX_RANKS;
 pub const RANKS_ENV: &str = "TCHMEM_WORLD_RANKS";
 /// How long the other ranks may still run after one panicked.
 pub const PANIC_GRACE: Duration = Duration::from_secs(5);
+/// How long a rank's stderr may lag its cell's completion line (the kernel waits as long for a
+/// cell's stderr): then the rank counts as done without it.
+pub const STDERR_GRACE: Duration = Duration::from_secs(5);
 
 /// The ranks' process ids, for the signal handler (0: none).
 static RANK_PIDS: [AtomicI32; MAX_RANKS] = [const { AtomicI32::new(0) }; MAX_RANKS];
@@ -47,7 +50,7 @@ enum Event {
         stderr: bool,
         line: String,
     },
-    /// A rank closed one of its streams (it ended).
+    /// A rank closed one of its streams (both closed: it ended).
     Closed { rank: usize },
 }
 
@@ -56,109 +59,194 @@ struct Rank {
     process: Child,
     stdin: ChildStdin,
     lines: RankLines,
+    /// Its stdout and stderr still open.
+    open_streams: u8,
+    /// When it printed the running cell's completion line.
+    completed_at: Option<Instant>,
+}
+
+/// The launcher's state between events.
+struct Launcher {
+    world: Vec<Rank>,
+    store: PathBuf,
+    cell_running: bool,
+    /// The first rank that panicked in the running cell, and when.
+    first_panic: Option<(usize, Instant)>,
 }
 
 /// Runs the world's launcher until evcxr closes stdin; never returns.
 pub fn run(ranks: usize) -> ! {
+    // First: the kernel may signal a launcher it just (re)started.
+    forward_signals();
     let store = store_path();
     let (events, received) = mpsc::channel();
-    let mut world = Vec::with_capacity(ranks);
+    let mut launcher = Launcher {
+        world: Vec::with_capacity(ranks),
+        store,
+        cell_running: false,
+        first_panic: None,
+    };
     for rank in 0..ranks {
-        match start_rank(rank, ranks, &store, &events) {
-            Ok(started) => world.push(started),
+        match start_rank(rank, ranks, &launcher.store, &events) {
+            Ok(started) => launcher.world.push(started),
             Err(error) => {
                 eprintln!("tchmem world: cannot start rank {rank} of {ranks}: {error}");
-                stop(&mut world, &store, 97);
+                launcher.stop(97);
             }
         }
     }
-    forward_signals();
-    read_instructions(events);
-    let mut cell_running = false;
-    let mut first_panic: Option<(usize, Instant)> = None;
+    read_instructions(events, launcher.store.clone());
     loop {
-        let event = match first_panic {
-            Some((_, at)) => {
-                match received.recv_timeout(PANIC_GRACE.saturating_sub(at.elapsed())) {
-                    Ok(event) => event,
-                    Err(RecvTimeoutError::Timeout) => {
-                        let panicked = first_panic.map_or(0, |(rank, _)| rank);
-                        let waiting: Vec<String> = world
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, rank)| !rank.lines.done())
-                            .map(|(number, _)| number.to_string())
-                            .collect();
-                        eprintln!(
-                        "[world] rank {panicked} panicked, and rank(s) {} had not finished {} s \
-                         later (waiting for it in a collective?): the world's processes are \
-                         stopped; the next %%distributed cell starts a new world",
-                        waiting.join(", "),
-                        PANIC_GRACE.as_secs()
-                    );
-                        stop(&mut world, &store, 1);
-                    }
-                    Err(RecvTimeoutError::Disconnected) => stop(&mut world, &store, 1),
-                }
-            }
+        let event = match launcher.deadline() {
+            Some(at) => match received.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                Ok(event) => Some(event),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => launcher.stop(1),
+            },
             None => match received.recv() {
-                Ok(event) => event,
-                Err(_) => stop(&mut world, &store, 1),
+                Ok(event) => Some(event),
+                Err(_) => launcher.stop(1),
             },
         };
         match event {
-            Event::Instruction(line) => {
-                let targets = if cell_running { 1 } else { world.len() };
-                if !cell_running && line.starts_with("LOAD_AND_RUN ") {
-                    cell_running = true;
-                    first_panic = None;
-                    for rank in &mut world {
-                        rank.lines.next_cell();
-                    }
-                }
-                for rank in world.iter_mut().take(targets) {
-                    // A rank that cannot be written to has ended: its streams' end says so.
-                    let _ = writeln!(rank.stdin, "{line}").and_then(|()| rank.stdin.flush());
-                }
+            Some(event) => launcher.handle(event),
+            None => launcher.past_deadline(),
+        }
+        if launcher.cell_running && launcher.world.iter().all(|rank| rank.lines.done()) {
+            launcher.cell_running = false;
+            launcher.first_panic = None;
+            end_cell(&mut launcher.world);
+        }
+    }
+}
+
+impl Launcher {
+    /// When the launcher must act without an event: the panic grace ends, or a rank that
+    /// completed its cell has not ended its stderr within [`STDERR_GRACE`].
+    fn deadline(&self) -> Option<Instant> {
+        let panic = self.first_panic.map(|(_, at)| at + PANIC_GRACE);
+        let stderr = self
+            .world
+            .iter()
+            .filter(|rank| !rank.lines.synced)
+            .filter_map(|rank| rank.completed_at)
+            .map(|at| at + STDERR_GRACE)
+            .min();
+        panic.into_iter().chain(stderr).min()
+    }
+
+    fn past_deadline(&mut self) {
+        if let Some((panicked, at)) = self.first_panic {
+            if at.elapsed() >= PANIC_GRACE {
+                let waiting: Vec<String> = (0..self.world.len())
+                    .filter(|&rank| !self.world[rank].lines.done())
+                    .map(|rank| rank.to_string())
+                    .collect();
+                eprintln!(
+                    "[world] rank {panicked} panicked, and rank(s) {} had not finished {} s \
+                     later (waiting for it in a collective?): the world's processes are \
+                     stopped; the next %%distributed cell starts a new world",
+                    waiting.join(", "),
+                    PANIC_GRACE.as_secs()
+                );
+                self.stop(1);
             }
-            Event::InstructionsEnded => stop(&mut world, &store, 0),
+        }
+        for rank in &mut self.world {
+            // Its stderr's last line lacked a newline, or never came: the kernel waits as long.
+            if rank
+                .completed_at
+                .is_some_and(|at| at.elapsed() >= STDERR_GRACE)
+            {
+                rank.lines.synced = true;
+            }
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Instruction(line) => self.instruct(&line),
+            Event::InstructionsEnded => self.stop(0),
             Event::Line { rank, stderr, line } => {
+                let lines = &mut self.world[rank].lines;
                 let routed = if stderr {
-                    world[rank].lines.stderr(line)
+                    lines.stderr(line)
                 } else {
-                    world[rank].lines.stdout(line)
+                    lines.stdout(line)
                 };
                 if routed == Routed::AnswerEmpty {
-                    let stdin = &mut world[rank].stdin;
+                    let stdin = &mut self.world[rank].stdin;
                     let _ = writeln!(stdin).and_then(|()| stdin.flush());
                 }
                 write_routed(routed);
-                if world[rank].lines.panicked && first_panic.is_none() {
-                    first_panic = Some((rank, Instant::now()));
+                let ranked = &mut self.world[rank];
+                if ranked.lines.completed && ranked.completed_at.is_none() {
+                    ranked.completed_at = Some(Instant::now());
+                }
+                if ranked.lines.panicked && self.first_panic.is_none() {
+                    self.first_panic = Some((rank, Instant::now()));
                 }
             }
             Event::Closed { rank } => {
-                let status = world[rank]
-                    .process
-                    .wait()
-                    .map_or_else(|error| error.to_string(), |status| status.to_string());
-                let when = if cell_running {
-                    "during the cell"
-                } else {
-                    "between cells"
-                };
-                eprintln!(
-                    "[world] rank {rank} ended {when} ({status}): the other ranks are stopped; \
-                     the next %%distributed cell starts a new world"
-                );
-                stop(&mut world, &store, 1);
+                self.world[rank].open_streams -= 1;
+                if self.world[rank].open_streams == 0 {
+                    self.rank_ended(rank);
+                }
             }
         }
-        if cell_running && world.iter().all(|rank| rank.lines.done()) {
-            cell_running = false;
-            first_panic = None;
-            end_cell(&mut world);
+    }
+
+    /// An instruction from evcxr: to every rank between cells (a new cell starts with
+    /// `LOAD_AND_RUN`); to rank 0 while a cell runs (an answer to its input request).
+    fn instruct(&mut self, line: &str) {
+        let targets = if self.cell_running {
+            1
+        } else {
+            self.world.len()
+        };
+        if !self.cell_running && line.starts_with("LOAD_AND_RUN ") {
+            self.cell_running = true;
+            self.first_panic = None;
+            for rank in &mut self.world {
+                rank.lines.next_cell();
+                rank.completed_at = None;
+            }
         }
+        for rank in self.world.iter_mut().take(targets) {
+            // A rank that cannot be written to has ended: its streams' end says so.
+            let _ = writeln!(rank.stdin, "{line}").and_then(|()| rank.stdin.flush());
+        }
+    }
+
+    /// A rank's streams both ended: it is gone, and the world with it.
+    fn rank_ended(&mut self, rank: usize) -> ! {
+        let status = self.world[rank]
+            .process
+            .wait()
+            .map_or_else(|error| error.to_string(), |status| status.to_string());
+        let when = if self.cell_running {
+            "during the cell"
+        } else {
+            "between cells"
+        };
+        eprintln!(
+            "[world] rank {rank} ended {when} ({status}): the other ranks are stopped; the next \
+             %%distributed cell starts a new world"
+        );
+        self.stop(1)
+    }
+
+    /// Stops every rank, removes the store and exits with `code`.
+    fn stop(&mut self, code: i32) -> ! {
+        for rank in &mut self.world {
+            let _ = rank.process.kill();
+        }
+        for rank in &mut self.world {
+            let _ = rank.process.wait();
+        }
+        let _ = std::fs::remove_file(&self.store);
+        let _ = std::io::stderr().flush();
+        super::exit_now(code)
     }
 }
 
@@ -256,10 +344,12 @@ fn start_rank(
         process,
         stdin,
         lines: RankLines::new(rank),
+        open_streams: 2,
+        completed_at: None,
     })
 }
 
-/// Sends each line of a rank's stream as an event, then its end (stdout's only: one is enough).
+/// Sends each line of a rank's stream as an event, then its end.
 fn pump_lines(
     rank: usize,
     stderr: bool,
@@ -275,17 +365,16 @@ fn pump_lines(
                 return;
             }
         }
-        if !stderr {
-            let _ = events.send(Event::Closed { rank });
-        }
+        let _ = events.send(Event::Closed { rank });
     });
     if let Err(error) = spawned {
         eprintln!("tchmem world: cannot read rank {rank}'s output: {error}");
     }
 }
 
-/// Sends evcxr's lines as events, on a thread of their own.
-fn read_instructions(events: Sender<Event>) {
+/// Sends evcxr's lines as events, on a thread of their own. When evcxr closes stdin the world
+/// ends from here: the main thread may be blocked writing output nobody reads any more.
+fn read_instructions(events: Sender<Event>, store: PathBuf) {
     let spawned = std::thread::Builder::new()
         .name("world-stdin".into())
         .spawn(move || {
@@ -296,6 +385,10 @@ fn read_instructions(events: Sender<Event>) {
                 }
             }
             let _ = events.send(Event::InstructionsEnded);
+            std::thread::sleep(Duration::from_secs(1));
+            pass_on(libc::SIGKILL);
+            let _ = std::fs::remove_file(&store);
+            super::exit_now(0);
         });
     if let Err(error) = spawned {
         eprintln!("tchmem world: cannot read instructions: {error}");
@@ -326,17 +419,4 @@ fn forward_signals() {
             libc::sigaction(signal, &action, std::ptr::null_mut());
         }
     }
-}
-
-/// Stops every rank, removes the store and exits with `code`.
-fn stop(world: &mut [Rank], store: &std::path::Path, code: i32) -> ! {
-    for rank in world.iter_mut() {
-        let _ = rank.process.kill();
-    }
-    for rank in world.iter_mut() {
-        let _ = rank.process.wait();
-    }
-    let _ = std::fs::remove_file(store);
-    let _ = std::io::stderr().flush();
-    super::exit_now(code)
 }

@@ -200,14 +200,20 @@ pub fn create_context(
         child.env(RANKS_ENV, ranks.to_string());
     }
     // evcxr reads where to compile from the environment as it creates a context: a world
-    // compiles beside the notebook's session, in a folder of its own.
-    if std::env::var_os("EVCXR_TMPDIR").as_deref() != Some(config.workdir.as_os_str()) {
+    // compiles beside the notebook's session, in a folder of its own (the session's folder is
+    // put back after, for whatever reads it later).
+    let session_dir = std::env::var_os("EVCXR_TMPDIR");
+    let moved = session_dir.as_deref() != Some(config.workdir.as_os_str());
+    if moved {
         std::env::set_var("EVCXR_TMPDIR", &config.workdir);
     }
     if let Some(std) = &config.analysis_std {
         std.hide_from(&mut child);
     }
     let created = EvalContext::with_subprocess_command(child);
+    if let (true, Some(dir)) = (moved, session_dir) {
+        std::env::set_var("EVCXR_TMPDIR", dir);
+    }
     if let Some(std) = config.analysis_std.clone() {
         std.end();
     }

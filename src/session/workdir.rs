@@ -48,8 +48,8 @@ pub fn acquire(root: PathBuf) -> anyhow::Result<Workdir> {
 }
 
 /// The folder a `%%distributed` world compiles in: beside `main` (`slot-N-world` beside
-/// `slot-N`), so the same lock owns it. A new one starts from a copy of `main`'s build of the
-/// dependencies: tch's native part alone takes minutes to build, and the world's cells use the
+/// `slot-N`), so the same lock owns it. A new one (or one whose dependencies are not the
+/// session's any more) starts from a copy of `main`'s build of the dependencies: tch's native part alone takes minutes to build, and the world's cells use the
 /// same crates. (Not the cells' incremental state, nor their libraries: the world builds its
 /// own.)
 pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
@@ -60,9 +60,11 @@ pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
     world_name.push("-world");
     let world = main.with_file_name(world_name);
     let target = world.join("target");
-    if target.exists() {
+    if target.exists() && builds_what(&world, main) {
         return Ok(world);
     }
+    // A world folder left by another build of tchmem (its crates elsewhere) would rebuild tch.
+    let _ = std::fs::remove_dir_all(&target);
     let partial = world.join("target.partial");
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial)
@@ -95,6 +97,28 @@ pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
         )
     })?;
     Ok(world)
+}
+
+/// Whether the world in `world` has the dependencies of the session in `main`, as evcxr last
+/// wrote them into each one's manifest (each line of `main`'s `[dependencies]` in `world`'s).
+fn builds_what(world: &Path, main: &Path) -> bool {
+    let dependencies = |dir: &Path| -> Option<Vec<String>> {
+        let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).ok()?;
+        let section = manifest.split("[dependencies]").nth(1)?;
+        Some(
+            section
+                .lines()
+                .take_while(|line| !line.trim_start().starts_with('['))
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .map(str::to_string)
+                .collect(),
+        )
+    };
+    match (dependencies(world), dependencies(main)) {
+        (Some(world), Some(main)) => main.iter().all(|line| world.contains(line)),
+        _ => false,
+    }
 }
 
 /// `cp -a` (reflinks where the file system has them): keeps the times cargo compares.
@@ -155,13 +179,20 @@ mod tests {
         assert!(!copied.join("incremental").exists() && !copied.join("libcode_3.so").exists());
         assert!(world.join("target/debug/build").is_dir());
         assert!(world.join("target/.rustc_info.json").is_file());
-        // Once made, the world's own build is kept.
+        // Once made, the world's own build is kept while it has the session's dependencies.
+        let manifest =
+            |path: &str| format!("[package]\n[dependencies]\nrt = {{ path = \"{path}\" }}\n");
+        std::fs::write(main.join("Cargo.toml"), manifest("/a/runtime")).unwrap();
+        std::fs::write(world.join("Cargo.toml"), manifest("/a/runtime")).unwrap();
         std::fs::write(copied.join("deps/a"), "the world's").unwrap();
         super::prepare_world(&main).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(copied.join("deps/a")).unwrap(),
-            "the world's"
-        );
+        let kept = std::fs::read_to_string(copied.join("deps/a")).unwrap();
+        assert_eq!(kept, "the world's");
+        // The session's crates moved (another checkout): the world starts again from its build.
+        std::fs::write(main.join("Cargo.toml"), manifest("/b/runtime")).unwrap();
+        super::prepare_world(&main).unwrap();
+        let again = std::fs::read_to_string(copied.join("deps/a")).unwrap();
+        assert_eq!(again, "deps");
         std::fs::remove_dir_all(root).unwrap();
     }
 }
