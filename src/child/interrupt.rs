@@ -28,10 +28,17 @@ pub fn install() {
     runtime_slot::run_state()
         .cell_thread
         .store(this_thread(), Ordering::SeqCst);
-    // SAFETY: sigaction with a handler that only touches an atomic.
+    // The handler only touches an atomic.
+    on_interrupt_signals(ask_to_stop);
+}
+
+/// The kernel's interrupt signals (SIGINT, SIGUSR1, SIGUSR2) go to `handler`, which must be
+/// async-signal-safe; a signal that cannot be handled is said on stderr.
+pub fn on_interrupt_signals(handler: extern "C" fn(libc::c_int)) {
+    // SAFETY: sigaction with a zeroed action whose handler the caller vouches for.
     unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = ask_to_stop as *const () as usize;
+        action.sa_sigaction = handler as *const () as usize;
         action.sa_flags = libc::SA_RESTART;
         libc::sigemptyset(&mut action.sa_mask);
         for signal in [libc::SIGINT, libc::SIGUSR1, libc::SIGUSR2] {

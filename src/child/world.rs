@@ -409,14 +409,6 @@ extern "C" fn pass_on(signal: libc::c_int) {
 
 /// The kernel's interrupt signals (see [`super::interrupt`]) go on to every rank.
 fn forward_signals() {
-    // SAFETY: sigaction with a handler that only reads atomics and calls kill(2).
-    unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = pass_on as *const () as usize;
-        action.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut action.sa_mask);
-        for signal in [libc::SIGINT, libc::SIGUSR1, libc::SIGUSR2] {
-            libc::sigaction(signal, &action, std::ptr::null_mut());
-        }
-    }
+    // The handler only reads atomics and calls kill(2).
+    super::interrupt::on_interrupt_signals(pass_on);
 }
