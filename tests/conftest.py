@@ -4,6 +4,8 @@ The kernel binary comes from $TCHMEM_BIN (scripts/test sets it). A kernelspec na
 "tchmem-test" is installed into a temporary prefix that JUPYTER_PATH puts first, so that no other
 installed tchmem kernelspec can be picked up by mistake."""
 
+import copy
+import functools
 import os
 import shutil
 import subprocess
@@ -11,8 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
 
 KERNEL_NAME = "tchmem-test"
 # The first cell of a kernel waits for the prelude (tch) to compile: minutes on a cold machine.
@@ -20,6 +24,8 @@ FIRST_CELL_TIMEOUT = 900
 CELL_TIMEOUT = 120
 
 _prefix = Path(tempfile.mkdtemp(prefix="tchmem-kernelspec-"))
+
+LIVE_MIME = "application/vnd.tchmem.live+json"
 
 
 def tchmem_bin() -> str:
@@ -122,3 +128,38 @@ def kernel():
     yield km, kc
     kc.stop_channels()
     km.shutdown_kernel(now=False)
+
+
+@functools.cache
+def _executed_in_nbclient(path):
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT,
+                   startup_timeout=120).execute()
+    return notebook
+
+
+def executed_in_nbclient(path):
+    """The notebook at `path` as nbclient executed it through the installed kernelspec, run once
+    per test session: the notebook suite checks its outputs, the offline suite compares its own
+    run (`tchmem execute` through the bundle) with it."""
+    return copy.deepcopy(_executed_in_nbclient(Path(path)))
+
+
+def output_types(notebook):
+    """Each code cell's output types, consecutive streams counted as one (nbclient keeps the
+    stream messages apart that `tchmem execute` joins, as frontends show them). A live view is
+    left out: whether a cell runs past its first second depends on the machine's load, so a
+    cell near a second has one in one run and none in the other."""
+    types = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        kinds = []
+        for output in cell.get("outputs", []):
+            if LIVE_MIME in output.get("data", {}):
+                continue
+            kind = output["output_type"]
+            if not (kind == "stream" and kinds and kinds[-1] == "stream"):
+                kinds.append(kind)
+        types.append(kinds)
+    return types

@@ -1,5 +1,7 @@
-"""The tutorial notebooks, executed headless two ways: by nbclient through the installed
-kernelspec, and by `tchmem execute` through the same engine without Jupyter."""
+"""The tutorial notebooks, executed headless by nbclient through the installed kernelspec, and
+`tchmem execute` (the same engine without Jupyter) on what a notebook run can meet. Each tutorial
+also runs through `tchmem execute` in tests/test_offline.py (the offline bundle's), whose outputs
+must be of the kinds nbclient's are."""
 
 import json
 import os
@@ -10,65 +12,34 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from conftest import FIRST_CELL_TIMEOUT, KERNEL_NAME, tchmem_bin
+from conftest import FIRST_CELL_TIMEOUT, executed_in_nbclient, tchmem_bin
 
-LIVE_MIME = "application/vnd.tchmem.live+json"
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
-
-
-def output_types(notebook):
-    """Each code cell's output types, consecutive streams counted as one (nbclient keeps the
-    stream messages apart that `tchmem execute` joins, as frontends show them). A live view is
-    left out: whether a cell runs past its first second depends on the machine's load, so a
-    cell near a second has one in one run and none in the other."""
-    types = []
-    for cell in notebook["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        kinds = []
-        for output in cell.get("outputs", []):
-            if LIVE_MIME in output.get("data", {}):
-                continue
-            kind = output["output_type"]
-            if not (kind == "stream" and kinds and kinds[-1] == "stream"):
-                kinds.append(kind)
-        types.append(kinds)
-    return types
 
 
 def all_text(notebook):
     return json.dumps([cell.get("outputs", []) for cell in notebook["cells"]])
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_in_nbclient_and_in_tchmem_execute_alike(path, tmp_path):
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT,
-                            startup_timeout=120)
-    client.execute()
-    def meant_to_fail(cell):
-        return "raises-exception" in cell.metadata.get("tags", [])
+def meant_to_fail(cell):
+    return "raises-exception" in cell.metadata.get("tags", [])
 
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_in_nbclient(path):
+    notebook = executed_in_nbclient(path)
+    nbformat.validate(notebook)
     errors = [o for cell in notebook.cells if not meant_to_fail(cell)
               for o in cell.get("outputs", []) if o["output_type"] == "error"]
     assert errors == []
     for cell in filter(meant_to_fail, notebook.cells):
         assert any(o["output_type"] == "error" for o in cell.outputs), cell.source
 
-    out = tmp_path / path.name
-    subprocess.run([tchmem_bin(), "execute", str(path), "--output", str(out)], check=True,
-                   timeout=FIRST_CELL_TIMEOUT)
-    headless = nbformat.read(out, as_version=4)
-    nbformat.validate(headless)
-    assert output_types(headless) == output_types(notebook)
-
 
 def test_hello_notebook_shows_its_results():
-    path = Path(__file__).parent.parent / "notebooks" / "00-hello-tch.ipynb"
-    notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=FIRST_CELL_TIMEOUT).execute()
+    notebook = executed_in_nbclient(NOTEBOOKS[0])
+    assert NOTEBOOKS[0].name == "00-hello-tch.ipynb"
     code = [c for c in notebook.cells if c.cell_type == "code"]
     assert code[1].outputs[-1]["data"]["text/plain"] == "10.0"
     assert "loss: first step" in all_text(notebook)

@@ -3,7 +3,9 @@
 //! Compiling torch-sys for the cells takes minutes; evcxr keeps its build in `EVCXR_TMPDIR`, so a
 //! kernel that reuses the previous kernel's directory starts in seconds. Two live kernels must
 //! not share one, so each takes the first free numbered slot and holds an exclusive lock on it
-//! for as long as it lives (the lock goes with the process, also when it is killed).
+//! for as long as it lives (the lock goes with the process, also when it is killed). A slot
+//! that has never built anything (a second notebook open beside the first) starts from a copy of
+//! another slot's build of the dependencies, so it too starts in seconds.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -37,6 +39,14 @@ pub fn acquire(root: PathBuf) -> anyhow::Result<Workdir> {
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             let path = root.join(format!("slot-{slot}"));
             std::fs::create_dir_all(&path)?;
+            if !path.join("target").exists() {
+                if let Some(built) = built_slot(&root, &path) {
+                    // A failed copy only costs the build it would have saved.
+                    if let Err(error) = seed(&built, &path) {
+                        tracing::warn!("{error:#}");
+                    }
+                }
+            }
             return Ok(Workdir { path, _lock: lock });
         }
     }
@@ -49,9 +59,8 @@ pub fn acquire(root: PathBuf) -> anyhow::Result<Workdir> {
 
 /// The folder a `%%distributed` world compiles in: beside `main` (`slot-N-world` beside
 /// `slot-N`), so the same lock owns it. A new one (or one whose dependencies are not the
-/// session's any more) starts from a copy of `main`'s build of the dependencies: tch's native part alone takes minutes to build, and the world's cells use the
-/// same crates. (Not the cells' incremental state, nor their libraries: the world builds its
-/// own.)
+/// session's any more) starts from a copy of `main`'s build of the dependencies (see [`seed`]):
+/// tch's native part alone takes minutes to build, and the world's cells use the same crates.
 pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
     let name = main
         .file_name()
@@ -65,12 +74,43 @@ pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
     }
     // A world folder left by another build of tchmem (its crates elsewhere) would rebuild tch.
     let _ = std::fs::remove_dir_all(&target);
-    let partial = world.join("target.partial");
+    seed(main, &world)?;
+    Ok(world)
+}
+
+/// Another slot under `root` (a numbered `slot-N`, not a world) that has built something.
+fn built_slot(root: &Path, except: &Path) -> Option<PathBuf> {
+    let mut slots: Vec<PathBuf> = std::fs::read_dir(root)
+        .ok()?
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path != except
+                && path.join("target").is_dir()
+                && path
+                    .file_name()
+                    .and_then(|name| name.to_str()?.strip_prefix("slot-"))
+                    .is_some_and(|n| n.chars().all(|c| c.is_ascii_digit()))
+        })
+        .collect();
+    slots.sort();
+    slots.into_iter().next()
+}
+
+/// Gives `into` a copy of `from`'s build of the dependencies (`from/target` → `into/target`, and
+/// the lock file that pins their versions): build scripts and proc macros whole, and of the
+/// cells' target the dependencies' libraries, build outputs and fingerprints; not the cells' own
+/// libraries nor their incremental state. Fingerprints are copied first: a unit whose
+/// fingerprint was copied had finished writing before, so the copy never pairs a fingerprint
+/// with a half-written library of a slot still building.
+fn seed(from: &Path, into: &Path) -> anyhow::Result<()> {
+    let target = into.join("target");
+    let partial = into.join("target.partial");
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial)
         .with_context(|| format!("cannot create {}", partial.display()))?;
-    let from = main.join("target");
-    for entry in std::fs::read_dir(&from).into_iter().flatten().flatten() {
+    let built = from.join("target");
+    for entry in std::fs::read_dir(&built).into_iter().flatten().flatten() {
         let path = entry.path();
         if !path.is_dir() {
             copy(&path, &partial)?;
@@ -79,15 +119,18 @@ pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
             copy(&path, &partial)?;
         } else {
             // The cells' target (`x86_64-unknown-linux-gnu/debug/…`).
-            let built = path.join("debug");
-            let into = partial.join(entry.file_name()).join("debug");
-            std::fs::create_dir_all(&into)?;
-            for part in ["deps", "build", ".fingerprint"] {
-                if built.join(part).exists() {
-                    copy(&built.join(part), &into)?;
+            let cells = path.join("debug");
+            let copied = partial.join(entry.file_name()).join("debug");
+            std::fs::create_dir_all(&copied)?;
+            for part in [".fingerprint", "build", "deps"] {
+                if cells.join(part).exists() {
+                    copy(&cells.join(part), &copied)?;
                 }
             }
         }
+    }
+    if from.join("Cargo.lock").is_file() && !into.join("Cargo.lock").exists() {
+        copy(&from.join("Cargo.lock"), into)?;
     }
     std::fs::rename(&partial, &target).with_context(|| {
         format!(
@@ -95,8 +138,7 @@ pub fn prepare_world(main: &Path) -> anyhow::Result<PathBuf> {
             partial.display(),
             target.display()
         )
-    })?;
-    Ok(world)
+    })
 }
 
 /// Whether the world in `world` has the dependencies of the session in `main`, as evcxr last
@@ -153,6 +195,36 @@ mod tests {
         let third = acquire(root.clone()).unwrap();
         assert_eq!(third.path, first_path);
         drop((second, third));
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn a_new_slot_starts_from_the_dependencies_another_slot_built() {
+        let root = std::env::temp_dir().join(format!("tchmem-seed-{}", std::process::id()));
+        let first = acquire(root.clone()).unwrap();
+        let deps = first
+            .path
+            .join("target/x86_64-unknown-linux-gnu/debug/deps");
+        std::fs::create_dir_all(&deps).unwrap();
+        std::fs::write(deps.join("libtorch_sys.rlib"), "built").unwrap();
+        std::fs::write(first.path.join("Cargo.lock"), "pinned").unwrap();
+        // A world folder is not a slot to start from.
+        std::fs::create_dir_all(root.join("slot-0-world/target")).unwrap();
+        let second = acquire(root.clone()).unwrap();
+        let copied = second
+            .path
+            .join("target/x86_64-unknown-linux-gnu/debug/deps");
+        let library = std::fs::read_to_string(copied.join("libtorch_sys.rlib")).unwrap();
+        assert_eq!(library, "built");
+        let lock = std::fs::read_to_string(second.path.join("Cargo.lock")).unwrap();
+        assert_eq!(lock, "pinned");
+        // A slot with a build of its own keeps it.
+        std::fs::write(copied.join("libtorch_sys.rlib"), "its own").unwrap();
+        drop(second);
+        let again = acquire(root.clone()).unwrap();
+        let kept = std::fs::read_to_string(copied.join("libtorch_sys.rlib")).unwrap();
+        assert_eq!(kept, "its own");
+        drop((first, again));
         std::fs::remove_dir_all(root).unwrap();
     }
 
