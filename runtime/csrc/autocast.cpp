@@ -11,12 +11,14 @@
 
 namespace {
 
-// Whether oneDNN runs `dtype` on this CPU, as libtorch's own `mkldnn::_is_mkldnn_*_supported`
-// ops answer (false where libtorch has no oneDNN: then nothing takes the oneDNN path anyway).
+// Whether oneDNN runs an LSTM in `dtype` on this CPU. For bf16, what libtorch's own
+// `mkldnn::_is_mkldnn_bf16_supported` answers (false where libtorch has no oneDNN: then nothing
+// takes the oneDNN path anyway). Never for f16: on a CPU with AVX-512 FP16, whose f16 oneDNN
+// says it supports, its LSTM still fails in libtorch 2.11 (torch.autocast("cpu", float16) on an
+// nn.LSTM fails the same way in PyTorch on such a CPU).
 bool onednn_runs(at::ScalarType dtype) {
-  const char* op = dtype == at::kBFloat16 ? "mkldnn::_is_mkldnn_bf16_supported"
-                                          : "mkldnn::_is_mkldnn_fp16_supported";
-  auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
+  if (dtype != at::kBFloat16) return false;
+  auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
   return handle.has_value() && handle->typed<bool()>().call();
 }
 
@@ -28,9 +30,9 @@ extern "C" {
 // CPU's oneDNN has no kernels for the dtype, and says in `before` what to restore when that
 // autocast level is left (1 or 0), or -1 when it changed nothing (oneDNN runs the dtype, or an
 // outer level turned it off already). CPU autocast casts the input of `mkldnn_rnn_layer` (an
-// LSTM's oneDNN kernel) to its dtype even on CPUs without AVX-512 BF16/FP16 ("could not create
-// a primitive descriptor for the LSTM forward propagation primitive"; PyTorch fixes it after
-// 2.11). With oneDNN off the LSTM runs libtorch's own cells, whose matmuls autocast still runs
+// LSTM's oneDNN kernel) to its dtype even where oneDNN cannot run it: bf16 on CPUs without
+// AVX-512 BF16, f16 on any ("could not create a primitive descriptor for the LSTM forward
+// propagation primitive"). With oneDNN off the LSTM runs libtorch's own cells, whose matmuls autocast still runs
 // in the chosen dtype, so the loop stays mixed precision. The setting is libtorch's, process-wide.
 int tchmem_onednn_off_for(int dtype, int* before, char* err, size_t err_len) {
   return tchmem::guarded(

@@ -68,9 +68,9 @@ fn scalar_type(kind: Kind) -> c_int {
 /// `Kind::Half`): matmuls and convolutions run in that dtype, reductions and losses in f32.
 /// The previous setting is restored afterwards, also if `f` panics.
 ///
-/// On a CPU whose oneDNN has no kernels for `dtype` (no AVX-512 BF16/FP16), oneDNN is off
-/// inside: libtorch 2.11's CPU autocast would hand an LSTM's oneDNN kernel a dtype it cannot
-/// run. The LSTM then runs libtorch's own cells, their matmuls in `dtype`.
+/// Where oneDNN cannot run an LSTM in `dtype` (bf16 on a CPU without AVX-512 BF16; f16 on any
+/// CPU), oneDNN is off inside: libtorch 2.11's CPU autocast would hand an LSTM's oneDNN kernel a
+/// dtype it cannot run. The LSTM then runs libtorch's own cells, their matmuls in `dtype`.
 pub fn autocast_on<T>(device: Device, dtype: Kind, f: impl FnOnce() -> T) -> T {
     let cuda = c_int::from(device.is_cuda());
     let dtype = scalar_type(dtype);

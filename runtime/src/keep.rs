@@ -93,7 +93,6 @@ pub fn keep(store: &VarStore) -> Kept {
     }
 }
 
-/// Sets `tensor`'s gradient to `grad` (none for `None`).
 /// Sets `tensor`'s gradient to `grad`, or removes it (a failure is reported, not raised).
 pub(crate) fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
     let grad_ptr = grad.map_or(std::ptr::null(), |g| g.as_ptr());

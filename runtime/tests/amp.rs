@@ -24,9 +24,10 @@ fn autocast_runs_matmuls_in_the_chosen_dtype_and_restores_the_state() {
     assert_eq!(a.matmul(&a).kind(), Kind::Float, "restored after a panic");
 }
 
-/// CPU autocast hands an LSTM's oneDNN kernel its dtype even on CPUs whose oneDNN has none for
-/// it (no AVX-512 BF16/FP16, as on the CI machine); the LSTM must still train, in reduced
-/// precision (its result differs from f32's, slightly), and f32 afterwards must be as before.
+/// CPU autocast hands an LSTM's oneDNN kernel its dtype even where oneDNN cannot run it (bf16
+/// without AVX-512 BF16; f16 even with AVX-512 FP16, as on a 2026-12-04 CI machine); the LSTM
+/// must still train, in reduced precision (its result differs from f32's, slightly), and f32
+/// afterwards must be as before.
 #[test]
 fn an_lstm_trains_under_cpu_autocast_on_any_cpu() {
     use tch::nn::RNN;

@@ -70,8 +70,8 @@ fn batch() -> (Tensor, Tensor) {
     (x, y)
 }
 
-/// A small net in f64 drawn from `seed`, and SGD with momentum over it.
-fn model(seed: i64) -> (VarStore, impl Module, nn::Optimizer) {
+/// A small net in f64 drawn from `seed`.
+fn small_net(seed: i64) -> (VarStore, impl Module) {
     tch::manual_seed(seed);
     let mut vs = VarStore::new(Device::Cpu);
     let root = vs.root();
@@ -80,13 +80,46 @@ fn model(seed: i64) -> (VarStore, impl Module, nn::Optimizer) {
         .add_fn(|x| x.tanh())
         .add(nn::linear(&root / "l2", 16, 1, Default::default()));
     vs.double();
-    let opt = nn::Sgd {
+    (vs, net)
+}
+
+/// tch's SGD with momentum (libtorch's C++ optimizer).
+fn sgd(vs: &VarStore) -> nn::Optimizer {
+    nn::Sgd {
         momentum: 0.9,
         ..Default::default()
     }
-    .build(&vs, 0.05)
-    .unwrap();
+    .build(vs, 0.05)
+    .unwrap()
+}
+
+/// tchmem's AdamW (its state's bytes are known).
+fn adamw(vs: &VarStore) -> tchmem::optim::Optimizer {
+    tchmem::optim::AdamW::default().build(vs, 0.01).unwrap()
+}
+
+/// The net drawn from `seed`, and SGD with momentum over it.
+fn model(seed: i64) -> (VarStore, impl Module, nn::Optimizer) {
+    let (vs, net) = small_net(seed);
+    let opt = sgd(&vs);
     (vs, net, opt)
+}
+
+/// The store's variables by name.
+fn named(vs: &VarStore) -> Vec<(String, Tensor)> {
+    let mut named: Vec<_> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+/// The largest difference of each variable from the reference's, by name.
+fn assert_close(saved: &[(String, Tensor)], reference: &[(String, Tensor)], what: &str) {
+    assert_eq!(saved.len(), reference.len(), "{what}");
+    for ((name, ours), (ref_name, theirs)) in saved.iter().zip(reference) {
+        assert_eq!(name, ref_name, "{what}");
+        let gap = (ours - theirs).abs().max().double_value(&[]);
+        assert!(gap <= 1e-10, "{what}, {name}: {gap:e} from one process");
+    }
 }
 
 /// `STEPS` steps on `rows` of the batch; the variables after them, by name.
@@ -106,9 +139,29 @@ fn train(
         dist::all_reduce_gradients(vs).unwrap();
         opt.step();
     }
-    let mut named: Vec<_> = vs.variables().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named
+    named(vs)
+}
+
+/// [`train`] with an optimizer of any kind, its step given.
+fn train_with<O>(
+    vs: &VarStore,
+    net: &impl Module,
+    opt: &mut O,
+    rows: (i64, i64),
+    step: impl Fn(&mut O, &Tensor),
+) -> Vec<(String, Tensor)> {
+    let (x, y) = batch();
+    let (x, y) = (x.narrow(0, rows.0, rows.1), y.narrow(0, rows.0, rows.1));
+    for _ in 0..STEPS {
+        step(opt, &net.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+    }
+    named(vs)
+}
+
+/// Saves variables by name to `path`.
+fn save(variables: &[(String, Tensor)], path: &Path) {
+    let refs: Vec<(&str, &Tensor)> = variables.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Tensor::save_multi(&refs, path).unwrap();
 }
 
 /// As rank 0: an all-reduce that must fail; how long it took and its error, written to `dir`.
@@ -165,16 +218,100 @@ fn two_gloo_ranks_on_half_batches_step_like_one_process_on_the_whole_batch() {
     };
     for rank in 0..WORLD {
         let saved = Tensor::load_multi(dir.join(format!("rank{rank}.ot"))).unwrap();
-        assert_eq!(saved.len(), reference.len());
-        for ((name, ours), (ref_name, theirs)) in saved.iter().zip(&reference) {
-            assert_eq!(name, ref_name);
-            let gap = (ours - theirs).abs().max().double_value(&[]);
-            assert!(
-                gap <= 1e-10,
-                "rank {rank}, {name}: {gap:e} from one process"
-            );
+        assert_close(&saved, &reference, &format!("rank {rank}"));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn zero_stages_step_like_one_process_and_keep_a_share_of_the_optimizer_state() {
+    const TEST: &str = "zero_stages_step_like_one_process_and_keep_a_share_of_the_optimizer_state";
+    let share = BATCH / WORLD as i64;
+    if let Some((rank, dir)) = as_rank() {
+        join(rank, &dir, Duration::from_secs(60));
+        let rows = (rank as i64 * share, share);
+        let mut bytes = Vec::new();
+        for stage in [1, 2] {
+            let stage_of = dist::ZeroStage::from_number(stage).unwrap();
+            // tch's SGD with momentum (C++), then tchmem's AdamW.
+            let (vs, net) = small_net(100 + rank as i64);
+            dist::broadcast_parameters(&vs).unwrap();
+            let mut opt = dist::ZeroOptimizer::new(&vs, sgd(&vs), stage_of);
+            let trained = train_with(&vs, &net, &mut opt, rows, |opt, loss| {
+                opt.backward_step(loss).unwrap()
+            });
+            save(&trained, &dir.join(format!("sgd-{stage}-rank{rank}.ot")));
+            let (vs, net) = small_net(100 + rank as i64);
+            dist::broadcast_parameters(&vs).unwrap();
+            let mut opt = dist::ZeroOptimizer::new(&vs, adamw(&vs), stage_of);
+            let trained = train_with(&vs, &net, &mut opt, rows, |opt, loss| {
+                opt.backward_step(loss).unwrap()
+            });
+            save(&trained, &dir.join(format!("adamw-{stage}-rank{rank}.ot")));
+            bytes.push(format!(
+                "{} {}",
+                opt.inner().state_bytes(),
+                opt.share_bytes()
+            ));
+        }
+        std::fs::write(dir.join(format!("rank{rank}.txt")), bytes.join("\n")).unwrap();
+        dist::shutdown();
+        return;
+    }
+    let dir = fresh_dir("zero");
+    let statuses = run_ranks(TEST, WORLD, &dir);
+    assert!(statuses.iter().all(|s| s.success()), "{statuses:?}");
+    // One process on the whole batch, without ZeRO.
+    let _turn = common::rng_turn();
+    let (vs, net) = small_net(100);
+    let mut opt = sgd(&vs);
+    let reference_sgd = train_with(&vs, &net, &mut opt, (0, BATCH), |opt, loss| {
+        opt.backward_step(loss)
+    });
+    let (vs, net) = small_net(100);
+    let mut opt = adamw(&vs);
+    let reference_adamw = train_with(&vs, &net, &mut opt, (0, BATCH), |opt, loss| {
+        opt.backward_step(loss)
+    });
+    let whole_state = opt.state_bytes();
+    let parameters: u64 = reference_adamw
+        .iter()
+        .map(|(_, t)| t.numel() as u64 * 8)
+        .sum();
+    for stage in [1, 2] {
+        for rank in 0..WORLD {
+            let load = |name: &str| {
+                Tensor::load_multi(dir.join(format!("{name}-{stage}-rank{rank}.ot"))).unwrap()
+            };
+            let what = |name: &str| format!("ZeRO {stage}, {name}, rank {rank}");
+            assert_close(&load("sgd"), &reference_sgd, &what("tch's SGD"));
+            assert_close(&load("adamw"), &reference_adamw, &what("tchmem's AdamW"));
         }
     }
+    // Each rank keeps the state of the parameters it updates only: together, the whole state.
+    let mut state_sum = [0u64; 2];
+    let mut share_sum = [0u64; 2];
+    for rank in 0..WORLD {
+        let report = std::fs::read_to_string(dir.join(format!("rank{rank}.txt"))).unwrap();
+        for (stage, line) in report.lines().enumerate() {
+            let (state, share) = line.split_once(' ').unwrap();
+            let (state, share): (u64, u64) = (state.parse().unwrap(), share.parse().unwrap());
+            assert!(
+                state < whole_state,
+                "rank {rank} keeps {state} of {whole_state} bytes"
+            );
+            // AdamW's two moments per parameter, in f32 for these f64 parameters (and a step
+            // count per parameter).
+            assert!(
+                state >= share,
+                "{state} bytes of state for {share} of parameters"
+            );
+            state_sum[stage] += state;
+            share_sum[stage] += share;
+        }
+    }
+    assert_eq!(state_sum, [whole_state; 2]);
+    assert_eq!(share_sum, [parameters; 2]);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -18,12 +18,17 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`ZeroOptimizer`] shares the optimizer state (ZeRO stage 1) and the gradients (stage 2) out
+//! among the ranks instead of keeping them whole on each.
+//!
 //! Without a group (a process of its own) the rank is 0 of 1 and every collective returns at
 //! once: a loop written for several processes also runs in one.
 
 mod group;
 mod parameters;
+mod zero;
 
 pub use group::{all_gather, all_reduce, broadcast, reduce_scatter, ReduceOp};
 pub use group::{barrier, init, rank, shutdown, world_size, Setup, DEFAULT_TIMEOUT};
 pub use parameters::{all_reduce_gradients, broadcast_parameters, BUCKET_BYTES};
+pub use zero::{ZeroOptimizer, ZeroStage};

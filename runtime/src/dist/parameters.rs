@@ -14,7 +14,7 @@ pub const BUCKET_BYTES: u64 = 25 << 20;
 
 /// The store's variables in name order: the same order on every rank whatever the order the
 /// model made them in.
-fn by_name(vs: &VarStore) -> Vec<Tensor> {
+pub(super) fn by_name(vs: &VarStore) -> Vec<Tensor> {
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named.into_iter().map(|(_, tensor)| tensor).collect()
@@ -39,17 +39,20 @@ pub fn broadcast_parameters(vs: &VarStore) -> Result<()> {
 /// others not (a branch only some batches take) gets zeros where it had none, as in PyTorch's
 /// DDP; one that no rank has a gradient for is left without.
 pub fn all_reduce_gradients(vs: &VarStore) -> Result<()> {
-    let world = world_size();
-    if world == 1 {
+    if world_size() == 1 {
         return Ok(());
     }
-    let _no_grad = tch::no_grad_guard();
     let mut trainable: Vec<Tensor> = by_name(vs)
         .into_iter()
         .filter(Tensor::requires_grad)
         .collect();
-    // Which variables any rank has a gradient for: one small all-reduce.
-    let had: Vec<f32> = trainable
+    average_gradients(&mut trainable)
+}
+
+/// Which of `variables` (the same list on every rank) any rank has a gradient for: one small
+/// all-reduce.
+pub(super) fn gradient_anywhere(variables: &[Tensor]) -> Result<Vec<bool>> {
+    let had: Vec<f32> = variables
         .iter()
         .map(|v| f32::from(u8::from(v.grad().defined())))
         .collect();
@@ -57,9 +60,17 @@ pub fn all_reduce_gradients(vs: &VarStore) -> Result<()> {
     all_reduce(&mut anywhere, ReduceOp::Max)?;
     let anywhere =
         Vec::<f32>::try_from(&anywhere).map_err(|error| RuntimeError::Torch(error.to_string()))?;
+    Ok(anywhere.into_iter().map(|any| any != 0.0).collect())
+}
+
+/// [`all_reduce_gradients`] over a list of variables (the same on every rank).
+pub(super) fn average_gradients(trainable: &mut [Tensor]) -> Result<()> {
+    let world = world_size();
+    let _no_grad = tch::no_grad_guard();
+    let anywhere = gradient_anywhere(trainable)?;
     let mut gradients = Vec::new();
     for (variable, any) in trainable.iter_mut().zip(anywhere) {
-        if any == 0.0 {
+        if !any {
             continue;
         }
         if !variable.grad().defined() {
