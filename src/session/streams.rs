@@ -197,11 +197,17 @@ fn pump(
         let mut current = lock(current);
         let mut next = Some(line);
         while let Some(line) = next.take() {
-            match line.strip_prefix(STDERR_SYNC_PREFIX) {
-                Some(token) => {
-                    let _ = synced.send(token.to_string());
+            // The child writes the marker on a line of its own, but a cell whose stderr ended
+            // without a newline has its last text on the marker's line, before it.
+            match line.find(STDERR_SYNC_PREFIX) {
+                Some(at) if name == StreamName::Stderr => {
+                    let token = line[at + STDERR_SYNC_PREFIX.len()..].to_string();
+                    if at > 0 {
+                        deliver(&mut current, name, line[..at].to_string());
+                    }
+                    let _ = synced.send(token);
                 }
-                None => deliver(&mut current, name, line),
+                _ => deliver(&mut current, name, line),
             }
             next = source.try_recv().ok();
         }
@@ -289,6 +295,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::StreamPump;
+    use tchmem_wire::STDERR_SYNC_PREFIX;
 
     /// The engine must get the sink lock at once, every time, while the pump waits for lines
     /// (it once waited minutes on a 16-core machine).
@@ -338,6 +345,34 @@ mod tests {
         wait_until(|| seen.lock().unwrap().lines().count() >= 50);
         let expected: String = (0..50).map(|i| format!("line {i}\n")).collect();
         assert_eq!(*seen.lock().unwrap(), expected);
+    }
+
+    #[test]
+    fn the_marker_after_stderr_without_a_final_newline_still_ends_the_wait() {
+        let (_stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let seen = Arc::new(std::sync::Mutex::new(String::new()));
+        let sink_seen = Arc::clone(&seen);
+        pump.attach(
+            Arc::new(move |output| {
+                if let super::CellOutput::Stream(_, text) = output {
+                    sink_seen.lock().unwrap().push_str(&text);
+                }
+            }),
+            false,
+        );
+        stderr_tx
+            .send(format!("50% done{STDERR_SYNC_PREFIX}7-1"))
+            .unwrap();
+        let started = Instant::now();
+        let leftovers = pump.detach(Some("7-1"), Duration::from_secs(5));
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "waited for the timeout"
+        );
+        assert_eq!(*seen.lock().unwrap(), "50% done\n");
+        assert_eq!(leftovers.stderr, "50% done\n");
     }
 
     /// Bursts already waiting on both channels come out as one run per stream, not line by
