@@ -94,6 +94,33 @@ def test_estimate_alone_acts_on_the_last_training_cell_and_predicts_other_optimi
     assert estimate["optimizer_state"] == (64 + 256 + 256 + 256 + 10 + 10) * 4, estimate
 
 
+def test_estimate_per_rank_of_data_parallel_ranks_counts_the_zero_share(kernel):
+    """--gpus 2 --zero 1: the trials run at one rank's half of the batch; each rank keeps the
+    parameters and gradients whole and the optimizer state of its share, shared out as
+    tchmem::dist::ZeroOptimizer does (the largest tensor first to the least loaded rank): rank 0
+    gets a.weight (64·256 f32), rank 1 the rest, and the most loaded rank's state is shown."""
+    _, kc = kernel
+    skip_on_cuda(kc)
+    reply, messages = execute(kc, "%memestimate --batch 256 --gpus 2 --zero 1\n" + LOOP,
+                              timeout=600)
+    assert reply["status"] == "ok", reply
+    trials = displays(messages, TRIALS_MIME)
+    assert [t["batch"] for t in trials[-1]["trials"]] == [32, 64], trials[-1]
+    (estimate,) = displays(messages, ESTIMATE_MIME)
+    assert estimate["parameters"] == PARAMETERS and estimate["gradients"] == PARAMETERS
+    a_weight = 64 * 256 * 4
+    assert estimate["optimizer_state"] == 2 * a_weight + 4, estimate
+    assert "per rank of 2 (128 each)" in estimate["what"], estimate["what"]
+    assert "ZeRO stage 1" in estimate["what"], estimate["what"]
+    # Mistakes are explained and lose nothing.
+    for flags, says in [("--batch 256 --gpus 3", "does not split evenly"),
+                        ("--gpus 2 --zero 3", "--zero 1 or --zero 2"),
+                        ("--gpus 2 --zero 1 --check", "%%distributed"),
+                        ("--zero 1", "--gpus")]:
+        reply, _ = execute(kc, f"%memestimate {flags}\n" + LOOP)
+        assert reply["status"] == "error" and says in reply["evalue"], (flags, reply)
+
+
 def test_memfit_and_fit_on_cpu_say_what_they_cannot_do_and_lose_nothing(kernel):
     _, kc = kernel
     skip_on_cuda(kc)

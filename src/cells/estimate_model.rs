@@ -6,7 +6,7 @@ use tchmem_wire::estimate::{ModelShapes, OptimizerRule, MODEL_SHAPES_MIME};
 
 use super::{fail, Cells, Runner};
 use crate::fit::estimate::Fixed;
-use crate::magics::fit::EstimateRequest;
+use crate::magics::fit::{DataParallel, EstimateRequest};
 use crate::report::fit::{model_terms_display, ModelTerms};
 use crate::rewrite::earlier::{self, LiveModel};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName};
@@ -105,10 +105,21 @@ impl<R: Runner> Cells<R> {
         } else {
             None
         };
-        let what = model_words(model, rule_name.as_deref());
+        let mut what = model_words(model, rule_name.as_deref());
+        let mut fixed = Fixed::of(&shapes.trainable, &rule);
+        if let Some(DataParallel {
+            ranks,
+            zero: Some(stage),
+        }) = request.data_parallel
+        {
+            fixed = fixed.zero_share(&shapes.trainable, &rule, ranks as usize);
+            what.push_str(&format!(
+                ", on the most loaded of {ranks} ranks under ZeRO stage {stage}"
+            ));
+        }
         let terms = ModelTerms {
             what: &what,
-            fixed: Fixed::of(&shapes.trainable, &rule),
+            fixed,
             frozen: shapes.frozen_bytes,
             rule: rule_name.as_deref(),
             device: room.map(|room| (room.context.unwrap_or(0), room.total)),

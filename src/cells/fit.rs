@@ -38,7 +38,22 @@ impl<R: Runner> Cells<R> {
             Ok(cell) => cell,
             Err(error) => return fail(error),
         };
-        let target = request.batch.unwrap_or(cell.binding.value);
+        let effective = request.batch.unwrap_or(cell.binding.value);
+        // Data parallel: one rank's estimate, at its share of the batch.
+        let ranks = request.data_parallel.map_or(1, |dp| u64::from(dp.ranks));
+        if !effective.is_multiple_of(ranks) {
+            return fail(CellError::new(
+                ErrorName::MagicError,
+                format!(
+                    "%memestimate --gpus {ranks}: the batch {effective} does not split evenly                      over {ranks} ranks; give a --batch that {ranks} divides"
+                ),
+            ));
+        }
+        let target = effective / ranks;
+        let zero_ranks = request
+            .data_parallel
+            .filter(|dp| dp.zero.is_some())
+            .map(|dp| dp.ranks as usize);
         let accumulate = request.accumulate.unwrap_or(1) as u64;
         let rule = request.optimizer.map_or(cell.rule, |choice| choice.rule());
         let full = Options {
@@ -46,7 +61,13 @@ impl<R: Runner> Cells<R> {
             optimizer: request.optimizer,
             ..request.calibrated.clone()
         };
-        let what = estimate_label(&cell.binding.name, target, &full, &rule);
+        let mut what = estimate_label(&cell.binding.name, effective, &full, &rule);
+        if let Some(dp) = request.data_parallel {
+            what.push_str(&format!(", per rank of {} ({target} each)", dp.ranks));
+            if let Some(stage) = dp.zero {
+                what.push_str(&format!(", ZeRO stage {stage} (the most loaded rank)"));
+            }
+        }
         // Refuse before any trial runs if the rewrites do not apply.
         if !full.is_empty() {
             let with_model = self.with_rebuilt_model(&cell, &full);
@@ -92,7 +113,9 @@ impl<R: Runner> Cells<R> {
         };
         if !largest.cuda {
             // No allocator counters: only the fixed terms are known.
-            let fixed = calibration.fixed(&rule).unwrap_or_default();
+            let fixed = calibration
+                .fixed_on_rank(&rule, zero_ranks)
+                .unwrap_or_default();
             (io.output)(CellOutput::Display(
                 table.replaced_by(fixed_terms_display(&what, &fixed)),
             ));
@@ -103,6 +126,7 @@ impl<R: Runner> Cells<R> {
             accumulate,
             rule,
             begin: largest.begin,
+            zero_ranks,
         };
         self.replay_heaviest(&mut calibration, scenario.micro_batch());
         let Some(prediction) = calibration.predict(&scenario) else {

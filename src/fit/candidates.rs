@@ -120,6 +120,7 @@ pub fn ranked(
                     accumulate: k,
                     rule,
                     begin,
+                    zero_ranks: None,
                 };
                 let Some(prediction) = calibration.predict(&scenario) else {
                     continue;

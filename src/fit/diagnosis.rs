@@ -252,6 +252,7 @@ pub fn measured_fixes(
                 accumulate,
                 rule,
                 begin,
+                zero_ranks: None,
             })
             .map_or(u64::MAX, |p| p.peak_reserved)
     };

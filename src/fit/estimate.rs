@@ -10,7 +10,7 @@
 //! trials' requests on their lines (`reserved`), or, where the trials logged no requests or
 //! these do not line up, is scaled from the larger trial.
 
-use tchmem_wire::estimate::{tensor_bytes, OptimizerRule, ParamShape};
+use tchmem_wire::estimate::{tensor_bytes, zero_owners, OptimizerRule, ParamShape};
 use tchmem_wire::memory::{Category, CategoryName};
 
 use super::accumulated;
@@ -43,6 +43,31 @@ impl Fixed {
     /// All three.
     pub fn total(&self) -> u64 {
         self.parameters + self.gradients + self.optimizer_state
+    }
+
+    /// These terms on the rank of `ranks` that keeps the most optimizer state under ZeRO
+    /// (stage 1 or 2, as `tchmem::dist::ZeroOptimizer` shares the tensors out): the state of
+    /// that rank's share only; the parameters, and the gradients through backward (which the
+    /// optimizer reduces after it), whole.
+    pub fn zero_share(self, shapes: &[ParamShape], rule: &OptimizerRule, ranks: usize) -> Fixed {
+        let bytes: Vec<u64> = shapes.iter().map(ParamShape::bytes).collect();
+        let owners = zero_owners(&bytes, ranks);
+        let most = (0..ranks.max(1))
+            .map(|rank| {
+                let share: Vec<ParamShape> = shapes
+                    .iter()
+                    .zip(&owners)
+                    .filter(|(_, &owner)| owner == rank)
+                    .map(|(shape, _)| shape.clone())
+                    .collect();
+                rule.state_bytes(&share)
+            })
+            .max()
+            .unwrap_or(0);
+        Fixed {
+            optimizer_state: most,
+            ..self
+        }
     }
 }
 
@@ -124,6 +149,9 @@ pub struct Scenario {
     pub rule: OptimizerRule,
     /// Bytes the notebook holds when the loop starts.
     pub begin: u64,
+    /// ZeRO over this many ranks (`%memestimate --gpus N --zero S`): the optimizer state is the
+    /// most loaded rank's share ([`Fixed::zero_share`]). `batch` is then one rank's.
+    pub zero_ranks: Option<usize>,
 }
 
 impl Scenario {
@@ -216,13 +244,24 @@ impl Calibration {
         })
     }
 
+    /// [`Calibration::fixed`] on the most loaded of `zero_ranks` ranks under ZeRO, if given.
+    pub fn fixed_on_rank(&self, rule: &OptimizerRule, zero_ranks: Option<usize>) -> Option<Fixed> {
+        let fixed = self.fixed(rule)?;
+        Some(match zero_ranks {
+            Some(ranks) => fixed.zero_share(&self.points.last()?.1.parameters, rule, ranks),
+            None => fixed,
+        })
+    }
+
     /// The prediction for `scenario`; `None` without a usable point.
     pub fn predict(&self, scenario: &Scenario) -> Option<Prediction> {
         if self.points.is_empty() {
             return None;
         }
         let own = self.fixed(&self.rule).unwrap_or_default();
-        let target = self.fixed(&scenario.rule).unwrap_or(own);
+        let target = self
+            .fixed_on_rank(&scenario.rule, scenario.zero_ranks)
+            .unwrap_or(own);
         let accumulate = scenario.accumulate.max(1);
         let micro = scenario.micro_batch();
         let above = |value: u64, m: &Measured| value.saturating_sub(m.begin) as f64;
@@ -299,7 +338,13 @@ impl Calibration {
                 CategoryName::OptimizerState,
                 target.optimizer_state,
                 true,
-                &format!("{}'s rule", scenario.rule.label()),
+                &match scenario.zero_ranks {
+                    Some(ranks) => format!(
+                        "{}'s rule, the share of the most loaded of {ranks} ranks (ZeRO)",
+                        scenario.rule.label()
+                    ),
+                    None => format!("{}'s rule", scenario.rule.label()),
+                },
             ),
             category(
                 CategoryName::Activations,
@@ -552,6 +597,49 @@ pub(crate) mod tests {
         }
     }
 
+    #[test]
+    fn zero_keeps_the_most_loaded_ranks_share_of_the_state_and_the_rest_whole() {
+        let adam = OptimizerRule::Adam;
+        let whole = Fixed::of(&shapes(), &adam);
+        // Two ranks: two of the four matrices each, and the biases spread over both.
+        let two = whole.zero_share(&shapes(), &adam, 2);
+        assert_eq!(
+            (two.parameters, two.gradients),
+            (whole.parameters, whole.gradients)
+        );
+        let matrices = 2 * 1024 * 1024 * 4;
+        let biases = 2 * 1024 * 4;
+        assert_eq!(two.optimizer_state, 2 * (matrices + biases) + 4 * 4);
+        // One rank: all of it; more ranks than tensors: the largest tensor's.
+        assert_eq!(whole.zero_share(&shapes(), &adam, 1), whole);
+        let many = whole.zero_share(&shapes(), &adam, 16);
+        assert_eq!(many.optimizer_state, 2 * 1024 * 1024 * 4 + 4);
+    }
+
+    #[test]
+    fn a_zero_scenario_predicts_the_peak_with_the_shared_state() {
+        let calibration = calibrated(&[8, 16]);
+        let plain = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        let zero = calibration
+            .predict(&Scenario {
+                zero_ranks: Some(2),
+                ..scenario(32, 1, OptimizerRule::Adam)
+            })
+            .unwrap();
+        let state = |p: &Prediction| {
+            p.categories
+                .iter()
+                .find(|c| c.name == CategoryName::OptimizerState)
+                .map(|c| c.bytes)
+                .unwrap()
+        };
+        let saved = state(&plain) - state(&zero);
+        assert!(saved > 0);
+        assert_eq!(plain.peak_allocated - zero.peak_allocated, saved);
+    }
+
     fn calibrated(batches: &[u64]) -> Calibration {
         Calibration {
             points: batches
@@ -570,6 +658,7 @@ pub(crate) mod tests {
             accumulate,
             rule,
             begin: 5 * MIB,
+            zero_ranks: None,
         }
     }
 
@@ -880,6 +969,7 @@ pub(crate) mod tests {
             accumulate: 1,
             rule: OptimizerRule::Adam,
             begin: truth.begin_allocated,
+            zero_ranks: None,
         };
         let prediction = calibration.predict(&scenario).unwrap();
         let e = error(prediction.peak_reserved, truth.peak_reserved);

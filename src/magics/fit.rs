@@ -29,7 +29,7 @@ use crate::rewrite::{OptimizerChoice, Options};
     disable_version_flag = true,
     after_help = "Examples:\n  %memestimate\n  %memestimate --batch 64\n  %memestimate --batch 64 \
                   --amp bf16 --checkpoint --accumulate 4 --check\n  %memestimate --checkpoint \
-                  --offload --fused-loss --step-in-backward"
+                  --offload --fused-loss --step-in-backward\n  %memestimate --gpus 2 --zero 1"
 )]
 pub struct EstimateArgs {
     /// The batch size to predict (default: the cell's own).
@@ -54,6 +54,23 @@ pub struct EstimateArgs {
     /// Then run the cell at that batch (a short trial) and show the prediction's error.
     #[arg(long)]
     pub check: bool,
+    /// Per rank of N data-parallel processes (`%%distributed`), the batch split evenly over
+    /// them: the same effective batch, each rank's activations at its share.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<u32>,
+    /// With ZeRO stage S (1 or 2, `tchmem::dist::ZeroOptimizer`): each rank keeps the optimizer
+    /// state of its share of the parameters only. Needs --gpus.
+    #[arg(long, value_name = "S", requires = "gpus")]
+    pub zero: Option<u8>,
+}
+
+/// `%memestimate --gpus N [--zero S]`: the estimate of one rank of N.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataParallel {
+    /// How many ranks share the batch.
+    pub ranks: u32,
+    /// The ZeRO stage (1 or 2), if any.
+    pub zero: Option<u8>,
 }
 
 /// What `%memestimate` predicts.
@@ -69,6 +86,8 @@ pub struct EstimateRequest {
     pub optimizer: Option<OptimizerChoice>,
     /// Measure the prediction with a trial at the batch.
     pub check: bool,
+    /// Per rank of data-parallel ranks (`--gpus`, `--zero`).
+    pub data_parallel: Option<DataParallel>,
 }
 
 /// Find the largest batch size the training cell below (or the last training cell that ran)
@@ -118,6 +137,25 @@ pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
              must be at least 2"
         )));
     }
+    if parsed.gpus == Some(0) {
+        return Err(MagicReply::Error(
+            "error: --gpus 0: the number of data-parallel ranks must be at least 1".into(),
+        ));
+    }
+    if let Some(stage) = parsed.zero.filter(|stage| !(1..=2).contains(stage)) {
+        return Err(MagicReply::Error(format!(
+            "error: --zero {stage}: tchmem has ZeRO stage 1 (optimizer state shared out) and 2 \
+             (gradients too); write --zero 1 or --zero 2"
+        )));
+    }
+    if parsed.zero.is_some() && parsed.check {
+        return Err(MagicReply::Error(
+            "error: --check runs the cell in this one process, which cannot show ZeRO's shares: \
+             leave out --check, or run the loop with %%distributed and compare its memory per \
+             rank"
+                .into(),
+        ));
+    }
     parsed
         .beyond
         .validate(
@@ -136,6 +174,10 @@ pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
         accumulate: parsed.accumulate,
         optimizer: parsed.optimizer.map(OptimizerArg::choice),
         check: parsed.check,
+        data_parallel: parsed.gpus.map(|ranks| DataParallel {
+            ranks,
+            zero: parsed.zero,
+        }),
     })
 }
 
@@ -229,12 +271,29 @@ mod tests {
             ("--step-in-backward --accumulate 4", "must live across"),
             ("--step-in-backward --amp f16", "Use --amp bf16"),
             ("--fused-loss 0", "at least"),
+            ("--gpus 0", "at least 1"),
+            ("--gpus 2 --zero 3", "--zero 1 or --zero 2"),
+            ("--gpus 2 --zero 2 --check", "%%distributed"),
+            ("--zero 1", "--gpus"),
         ] {
             let Err(MagicReply::Error(message)) = parse_estimate(&words(line)) else {
                 panic!("{line}: expected an error")
             };
             assert!(message.contains(expected), "{line}: {message}");
         }
+    }
+
+    #[test]
+    fn data_parallel_flags_give_the_ranks_and_the_stage() {
+        let request = parse_estimate(&words("--gpus 4 --zero 2")).unwrap();
+        let expected = DataParallel {
+            ranks: 4,
+            zero: Some(2),
+        };
+        assert_eq!(request.data_parallel, Some(expected));
+        let plain = parse_estimate(&words("--gpus 2 --check")).unwrap();
+        assert_eq!(plain.data_parallel.map(|dp| dp.zero), Some(None));
+        assert_eq!(parse_estimate(&[]).unwrap().data_parallel, None);
     }
 
     #[test]

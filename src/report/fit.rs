@@ -725,6 +725,7 @@ mod tests {
                 accumulate: 1,
                 rule: OptimizerRule::Adam,
                 begin: 0,
+                zero_ranks: None,
             })
             .unwrap();
         let trial = Trial {

@@ -30,6 +30,23 @@ pub fn tensor_bytes(shapes: &[ParamShape]) -> u64 {
     shapes.iter().map(ParamShape::bytes).sum()
 }
 
+/// How ZeRO (the runtime's `dist::ZeroOptimizer`) shares tensors out among `ranks`: each, the
+/// largest first, to the rank with the fewest bytes so far (the lower rank on a tie; among
+/// tensors of equal size, the lower index first). `bytes[i]` is tensor i's size; the result is
+/// each tensor's rank. The ranks' loads do not depend on the order of the tensors.
+pub fn zero_owners(bytes: &[u64], ranks: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..bytes.len()).collect();
+    order.sort_by(|&a, &b| bytes[b].cmp(&bytes[a]).then(a.cmp(&b)));
+    let mut load = vec![0u64; ranks.max(1)];
+    let mut owner = vec![0; bytes.len()];
+    for index in order {
+        let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        owner[index] = rank;
+        load[rank] += bytes[index];
+    }
+    owner
+}
+
 /// Bytes per element of an f32 tensor, the kind most optimizer state is kept in.
 const F32: u64 = 4;
 
@@ -180,6 +197,20 @@ impl DeviceRoom {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn zero_shares_tensors_out_largest_first_to_the_least_loaded_rank() {
+        // 100 → 0; 60 → 1; 50 → 1 (60 < 100); 40 → 0 (100 < 110); 10 → 1 (110 < 140).
+        assert_eq!(
+            super::zero_owners(&[10, 100, 50, 60, 40], 2),
+            [1, 0, 1, 1, 0]
+        );
+        assert_eq!(super::zero_owners(&[5, 5, 5], 1), [0, 0, 0]);
+        // More ranks than tensors: some own nothing.
+        assert_eq!(super::zero_owners(&[8, 4], 4), [0, 1]);
+        assert!(super::zero_owners(&[], 2).is_empty());
+    }
+
     use super::*;
 
     fn f32(dims: &[i64]) -> ParamShape {

@@ -10,6 +10,7 @@
 
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
+use tchmem_wire::estimate::zero_owners;
 
 use super::group::{all_gather, rank, reduce_scatter, world_size, ReduceOp};
 use super::parameters::{average_gradients, by_name, gradient_anywhere};
@@ -155,7 +156,8 @@ impl<O> ZeroOptimizer<O> {
 impl<O: Step> ZeroOptimizer<O> {
     /// Shares out the trainable variables of `vs` among the ranks of the group (join it first;
     /// without one, a world of 1, this rank owns them all): each to the rank with the fewest
-    /// bytes so far, the largest first, as PyTorch's `ZeroRedundancyOptimizer` does. `inner`
+    /// bytes so far, the largest first, as PyTorch's `ZeroRedundancyOptimizer` does (the rule
+    /// `%memestimate --gpus N --zero S` counts with: [`zero_owners`]). `inner`
     /// must be built over the same store. Build it after the model: variables added to the
     /// store later are neither averaged nor shared out.
     pub fn new(vs: &VarStore, inner: O, stage: ZeroStage) -> ZeroOptimizer<O> {
@@ -164,7 +166,7 @@ impl<O: Step> ZeroOptimizer<O> {
             .filter(Tensor::requires_grad)
             .collect();
         let world = world_size();
-        let owner = share_out(&params.iter().map(tensor_bytes).collect::<Vec<_>>(), world);
+        let owner = zero_owners(&params.iter().map(tensor_bytes).collect::<Vec<_>>(), world);
         ZeroOptimizer {
             inner,
             stage,
@@ -290,34 +292,9 @@ impl<O: Step> ZeroOptimizer<O> {
     }
 }
 
-/// Each of `sizes` (bytes) given to one of `world` ranks: the largest first, each to the rank
-/// with the fewest bytes so far (the lower rank on a tie).
-fn share_out(sizes: &[u64], world: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..sizes.len()).collect();
-    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
-    let mut load = vec![0u64; world.max(1)];
-    let mut owner = vec![0; sizes.len()];
-    for index in order {
-        let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).unwrap_or(0);
-        owner[index] = rank;
-        load[rank] += sizes[index];
-    }
-    owner
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parameters_are_shared_out_largest_first_to_the_least_loaded_rank() {
-        // 100 → 0; 60 → 1; 50 → 1 (60 < 100); 40 → 0 (100 < 110); 10 → 1 (110 < 140).
-        assert_eq!(share_out(&[10, 100, 50, 60, 40], 2), [1, 0, 1, 1, 0]);
-        assert_eq!(share_out(&[5, 5, 5], 1), [0, 0, 0]);
-        // More ranks than parameters: some own nothing.
-        assert_eq!(share_out(&[8, 4], 4), [0, 1]);
-        assert!(share_out(&[], 2).is_empty());
-    }
 
     #[test]
     fn stages_are_the_papers_numbers() {
