@@ -45,7 +45,8 @@ impl<R: Runner> Cells<R> {
             return fail(CellError::new(
                 ErrorName::MagicError,
                 format!(
-                    "%memestimate --gpus {ranks}: the batch {effective} does not split evenly                      over {ranks} ranks; give a --batch that {ranks} divides"
+                    "%memestimate --gpus {ranks}: the batch {effective} does not split evenly \
+                     over {ranks} ranks; give a --batch that {ranks} divides"
                 ),
             ));
         }

@@ -141,7 +141,7 @@ pub fn fallback_batch(small: u64) -> Option<u64> {
 /// `rule`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Scenario {
-    /// The cell's batch size (the effective batch).
+    /// The cell's batch size (the effective batch; one rank's share of it with `--gpus`).
     pub batch: u64,
     /// Micro-batches per step (1: none).
     pub accumulate: u64,

@@ -148,6 +148,13 @@ pub fn parse_estimate(args: &[&str]) -> Result<EstimateRequest, MagicReply> {
              (gradients too); write --zero 1 or --zero 2"
         )));
     }
+    if parsed.zero.is_some() && parsed.beyond.step_in_backward {
+        return Err(MagicReply::Error(
+            "error: --zero with --step-in-backward: ZeroOptimizer steps after backward (its \
+             ranks reduce the gradients first); leave one of them out"
+                .into(),
+        ));
+    }
     if parsed.zero.is_some() && parsed.check {
         return Err(MagicReply::Error(
             "error: --check runs the cell in this one process, which cannot show ZeRO's shares: \
@@ -275,6 +282,10 @@ mod tests {
             ("--gpus 2 --zero 3", "--zero 1 or --zero 2"),
             ("--gpus 2 --zero 2 --check", "%%distributed"),
             ("--zero 1", "--gpus"),
+            (
+                "--gpus 2 --zero 1 --step-in-backward",
+                "steps after backward",
+            ),
         ] {
             let Err(MagicReply::Error(message)) = parse_estimate(&words(line)) else {
                 panic!("{line}: expected an error")

@@ -97,26 +97,36 @@ fn built_slot(root: &Path, except: &Path) -> Option<PathBuf> {
     slots.into_iter().next()
 }
 
-/// Gives `into` a copy of `from`'s build of the dependencies (`from/target` → `into/target`, and
-/// the lock file that pins their versions): build scripts and proc macros whole, and of the
-/// cells' target the dependencies' libraries, build outputs and fingerprints; not the cells' own
-/// libraries nor their incremental state. Fingerprints are copied first: a unit whose
-/// fingerprint was copied had finished writing before, so the copy never pairs a fingerprint
-/// with a half-written library of a slot still building.
+/// Gives `into` a copy of `from`'s build of the dependencies (`from/target` → `into/target`):
+/// build scripts and proc macros whole, and of the cells' target the dependencies' libraries,
+/// build outputs and fingerprints; not the cells' own libraries nor their incremental state.
+/// Fingerprints are copied first: a unit whose fingerprint was copied had finished writing
+/// before, so the copy never pairs a fingerprint with a half-written library of a slot still
+/// building. Not the lock file: cargo resolves the new slot's versions itself (an old slot's
+/// pins may name versions an offline bundle does not have), and reuses what matches.
 fn seed(from: &Path, into: &Path) -> anyhow::Result<()> {
-    let target = into.join("target");
     let partial = into.join("target.partial");
-    let _ = std::fs::remove_dir_all(&partial);
-    std::fs::create_dir_all(&partial)
+    let copied = copy_build(from, &partial);
+    if copied.is_err() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    copied
+}
+
+/// [`seed`]'s copy, into `partial`, renamed to `target` beside it once whole.
+fn copy_build(from: &Path, partial: &Path) -> anyhow::Result<()> {
+    let target = partial.with_file_name("target");
+    let _ = std::fs::remove_dir_all(partial);
+    std::fs::create_dir_all(partial)
         .with_context(|| format!("cannot create {}", partial.display()))?;
     let built = from.join("target");
     for entry in std::fs::read_dir(&built).into_iter().flatten().flatten() {
         let path = entry.path();
         if !path.is_dir() {
-            copy(&path, &partial)?;
+            copy(&path, partial)?;
         } else if entry.file_name() == "debug" {
             // Build scripts and proc macros, built for the host.
-            copy(&path, &partial)?;
+            copy(&path, partial)?;
         } else {
             // The cells' target (`x86_64-unknown-linux-gnu/debug/…`).
             let cells = path.join("debug");
@@ -129,10 +139,7 @@ fn seed(from: &Path, into: &Path) -> anyhow::Result<()> {
             }
         }
     }
-    if from.join("Cargo.lock").is_file() && !into.join("Cargo.lock").exists() {
-        copy(&from.join("Cargo.lock"), into)?;
-    }
-    std::fs::rename(&partial, &target).with_context(|| {
+    std::fs::rename(partial, &target).with_context(|| {
         format!(
             "cannot rename {} to {}",
             partial.display(),
@@ -207,7 +214,6 @@ mod tests {
             .join("target/x86_64-unknown-linux-gnu/debug/deps");
         std::fs::create_dir_all(&deps).unwrap();
         std::fs::write(deps.join("libtorch_sys.rlib"), "built").unwrap();
-        std::fs::write(first.path.join("Cargo.lock"), "pinned").unwrap();
         // A world folder is not a slot to start from.
         std::fs::create_dir_all(root.join("slot-0-world/target")).unwrap();
         let second = acquire(root.clone()).unwrap();
@@ -216,8 +222,7 @@ mod tests {
             .join("target/x86_64-unknown-linux-gnu/debug/deps");
         let library = std::fs::read_to_string(copied.join("libtorch_sys.rlib")).unwrap();
         assert_eq!(library, "built");
-        let lock = std::fs::read_to_string(second.path.join("Cargo.lock")).unwrap();
-        assert_eq!(lock, "pinned");
+        assert!(!second.path.join("target.partial").exists());
         // A slot with a build of its own keeps it.
         std::fs::write(copied.join("libtorch_sys.rlib"), "its own").unwrap();
         drop(second);

@@ -314,6 +314,14 @@ pub fn reduce_scatter(input: &Tensor, op: ReduceOp) -> Result<Tensor> {
         output.copy_(&input);
         return Ok(output);
     }
+    if op != ReduceOp::Sum {
+        // Gloo's reduce-scatter sums whatever op it is given (libtorch 2.11 makes it an
+        // all-reduce of a copy with the default op): the same, with the op.
+        let mut whole = input.copy();
+        all_reduce(&mut whole, op)?;
+        let slice = elements / world;
+        return Ok(whole.narrow(0, rank() as i64 * slice, slice).copy());
+    }
     let (out, inp, op) = (output.as_mut_ptr(), input.as_mut_ptr(), op.code());
     collective("a reduce-scatter", |group, err, len| unsafe {
         tchmem_dist_reduce_scatter(group, out, inp, op, err, len)
