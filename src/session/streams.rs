@@ -324,11 +324,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn lines_reach_the_attached_sink_in_order() {
-        let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
-        let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
-        let pump = StreamPump::start(stdout, stderr);
+    /// Attaches a sink that keeps the stream text it is sent, and returns that text.
+    fn attach_text(pump: &StreamPump) -> Arc<std::sync::Mutex<String>> {
         let seen = Arc::new(std::sync::Mutex::new(String::new()));
         let sink_seen = Arc::clone(&seen);
         pump.attach(
@@ -339,6 +336,15 @@ mod tests {
             }),
             false,
         );
+        seen
+    }
+
+    #[test]
+    fn lines_reach_the_attached_sink_in_order() {
+        let (stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
+        let (_stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
+        let pump = StreamPump::start(stdout, stderr);
+        let seen = attach_text(&pump);
         for i in 0..50 {
             stdout_tx.send(format!("line {i}")).unwrap();
         }
@@ -352,16 +358,7 @@ mod tests {
         let (_stdout_tx, stdout) = crossbeam_channel::unbounded::<String>();
         let (stderr_tx, stderr) = crossbeam_channel::unbounded::<String>();
         let pump = StreamPump::start(stdout, stderr);
-        let seen = Arc::new(std::sync::Mutex::new(String::new()));
-        let sink_seen = Arc::clone(&seen);
-        pump.attach(
-            Arc::new(move |output| {
-                if let super::CellOutput::Stream(_, text) = output {
-                    sink_seen.lock().unwrap().push_str(&text);
-                }
-            }),
-            false,
-        );
+        let seen = attach_text(&pump);
         stderr_tx
             .send(format!("50% done{STDERR_SYNC_PREFIX}7-1"))
             .unwrap();
