@@ -22,7 +22,8 @@ def convert(raw):
                 live[at] = numbered
                 numbered += 1
             at += size
-        segments.append({"large": total > 2 << 20 or any(s > 1 << 20 for s, _ in blocks),
+        # Small-pool segments are 2 MiB (kSmallBuffer), large-pool ones 10 MiB or more.
+        segments.append({"large": total > 2 << 20,
                          "blocks": [[s, u] for s, u in blocks]})
     events = []
     for action, address, size in raw["events"]:
