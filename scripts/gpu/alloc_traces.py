@@ -11,10 +11,12 @@ VGG-style net with BatchNorm and AdamW on 64x64, and its GRU (embedding 32, hidd
 steps, 65 tokens, Adam, gradients clipped) at the sizes `corpus-notebooks --estimates` writes.
 
 Usage: python alloc_traces.py OUT_DIR [--models resnet18,vgg,gru] [--steps 4] [--passes 2]
+       [--amp] [--vgg-widths 64,128,256,512] [--cudnn-benchmark]
 Writes OUT_DIR/<model>[-bf16]-<batch>-<pass>.json: {"batch", "begin": {"allocated", "reserved",
 "segments": [[address, total_size, [[block_size, allocated], ...]], ...]}, "events": [[action,
 address, size], ...] (action: a alloc, f free completed, s segment alloc, S segment free),
-"peak_allocated", "peak_reserved"}.
+"peak_allocated", "peak_reserved", "stats": the allocator's retries, OOMs, device allocs and
+frees during the trial, "ooms": the sizes of requests it could not serve (o in "events")}.
 """
 
 import argparse
@@ -27,7 +29,11 @@ import torch.nn.functional as F
 
 from conv_peaks import ResNet18
 
-ACTIONS = {"alloc": "a", "free_completed": "f", "segment_alloc": "s", "segment_free": "S"}
+ACTIONS = {"alloc": "a", "free_completed": "f", "segment_alloc": "s", "segment_free": "S", "oom": "o"}
+# What the allocator did beyond serving requests: a request it could not serve at once frees its
+# cache and retries (num_alloc_retries), or fails (num_ooms) where the caller may catch it.
+STATS = ["num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"]
+VGG_WIDTHS = (16, 32, 64, 128)
 
 
 class Vgg(nn.Module):
@@ -68,7 +74,7 @@ def make(model):
         data = lambda b: (torch.rand(b, 3, 64, 64), torch.randint(10, (b,)))
         loss = lambda out, y: F.cross_entropy(out, y)
     elif model == "vgg":
-        net = Vgg().cuda()
+        net = Vgg(widths=VGG_WIDTHS).cuda()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
         data = lambda b: (torch.rand(b, 3, 64, 64), torch.randint(10, (b,)))
         loss = lambda out, y: F.cross_entropy(out, y)
@@ -95,6 +101,7 @@ def trial(model, batch, steps, amp):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    stats_before = {k: torch.cuda.memory_stats().get(k, 0) for k in STATS}
     begin = {
         "allocated": torch.cuda.memory_allocated(),
         "reserved": torch.cuda.memory_reserved(),
@@ -125,6 +132,8 @@ def trial(model, batch, steps, amp):
         "events": events,
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
+        "stats": {k: torch.cuda.memory_stats().get(k, 0) - v for k, v in stats_before.items()},
+        "ooms": [e["size"] for e in trace if e["action"] == "oom"],
     }
     del net, opt, batches
     torch.cuda.empty_cache()
@@ -141,7 +150,12 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--amp", action="store_true")
+    ap.add_argument("--vgg-widths", default="16,32,64,128", help="64,128,256,512: the corpus's H200 size")
+    ap.add_argument("--cudnn-benchmark", action="store_true")
     args = ap.parse_args()
+    global VGG_WIDTHS
+    VGG_WIDTHS = tuple(int(w) for w in args.vgg_widths.split(","))
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     os.makedirs(args.out, exist_ok=True)
     for model in args.models.split(","):
         for p in range(args.passes):
@@ -153,7 +167,7 @@ def main():
                 mib = 1 << 20
                 print(
                     f"{name}: events {len(r['events'])}, peak allocated {r['peak_allocated'] / mib:.1f} MiB, "
-                    f"reserved {r['peak_reserved'] / mib:.1f} MiB",
+                    f"reserved {r['peak_reserved'] / mib:.1f} MiB, {r['stats']}, ooms {r['ooms'][:4]}",
                     flush=True,
                 )
 

@@ -176,10 +176,36 @@ pub struct Prediction {
     /// larger over half as much again as the smaller, apart by over a twentieth of the peak
     /// reserved): the point is then no surer than that.
     pub reserved_spread: Option<(u64, u64)>,
+    /// Where the allocator's cache in the peak reserved comes from, and why it is a range.
+    pub cache_source: CacheSource,
     /// Step time, in seconds (for K micro-batches, K forward + backward passes).
     pub step_seconds: f64,
     /// How sure the step time is: see [`StepTime`].
     pub step_time: StepTime,
+}
+
+/// Where a prediction's cache (peak reserved over peak allocated) comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheSource {
+    /// The larger calibration trial's cache, scaled with the loop's peak (a range where the
+    /// other trial's, scaled alike, differs by over half).
+    #[default]
+    Scaled,
+    /// The allocator's rules applied to the calibration trials' requests, each on its line.
+    Rules,
+    /// The rules, as a range: they missed the larger trial's own peak reserved by over
+    /// [`super::reserved::MODEL_TOLERANCE`], and the same miss scaled to the batch bounds it.
+    RulesMissedTrial,
+    /// The rules, as a range: where the device puts new segments decides the peak at this batch
+    /// (see [`super::allocator::SegmentOrder`]); the point is the order the larger trial took.
+    RulesSegmentOrder,
+}
+
+impl CacheSource {
+    /// Whether the allocator's rules made it.
+    pub fn by_rules(self) -> bool {
+        self != CacheSource::Scaled
+    }
 }
 
 /// A step time below this is told as a range: launches, synchronisation and the allocator's
@@ -300,19 +326,26 @@ impl Calibration {
         // The trials' allocator events replayed at `micro` where they line up (a loop that
         // accumulates runs other requests than its trials did); else the cache's share.
         // Where the model missed the larger trial's own peak, the same miss scaled to here
-        // bounds a range.
+        // bounds a range; so does the other segment order, where it gives another peak.
         let simulated = (accumulate == 1)
             .then(|| ReservedLines::of(&self.points))
             .flatten()
             .map(|lines| {
-                let reserved = lines.peak_reserved(micro, self.replayed.as_ref()) as f64;
-                let other = reserved * lines.model_missed().unwrap_or(1.0);
+                let (reserved, other_order) = lines.peak_reserved(micro, self.replayed.as_ref());
+                let reserved = reserved as f64;
+                let missed = lines.model_missed().map(|ratio| reserved * ratio);
+                let other_order = Some(other_order as f64).filter(|&b| b != reserved);
+                let ends = [missed, other_order].into_iter().flatten();
                 let above = |bytes: f64| (bytes - peak_allocated as f64).max(0.0);
                 Cache {
                     point: above(reserved),
-                    low: above(reserved.min(other)),
-                    high: above(reserved.max(other)),
-                    simulated: true,
+                    low: above(ends.clone().fold(reserved, f64::min)),
+                    high: above(ends.fold(reserved, f64::max)),
+                    source: match (missed, other_order) {
+                        (Some(_), _) => CacheSource::RulesMissedTrial,
+                        (None, Some(_)) => CacheSource::RulesSegmentOrder,
+                        (None, None) => CacheSource::Rules,
+                    },
                 }
             });
         let cache = simulated.unwrap_or_else(|| self.cache(loop_peak));
@@ -372,12 +405,17 @@ impl Calibration {
                 CategoryName::Fragmentation,
                 cache.point.round() as u64,
                 false,
-                if cache.simulated && cache.spread(peak_allocated).is_some() {
+                if cache.source == CacheSource::RulesMissedTrial {
                     "the allocator's rules applied to the calibration trials' requests, each on \
                      its line to this batch (the heaviest operators' as they ran alone here); \
                      the rules missed the larger trial's own peak reserved by over 5%: peak \
                      reserved is a range"
-                } else if cache.simulated {
+                } else if cache.source == CacheSource::RulesSegmentOrder {
+                    "the allocator's rules applied to the calibration trials' requests, each on \
+                     its line to this batch (the heaviest operators' as they ran alone here); \
+                     which cached block is reused depends on where the device puts new \
+                     segments, and at this batch that changes the peak: peak reserved is a range"
+                } else if cache.source.by_rules() {
                     "the allocator's rules applied to the calibration trials' requests, each on \
                      its line to this batch (the heaviest operators' as they ran alone here)"
                 } else if cache.spread(peak_allocated).is_some() {
@@ -396,6 +434,7 @@ impl Calibration {
             reserved_spread: cache
                 .spread(peak_allocated)
                 .map(|(low, high)| (peak_allocated + low, peak_allocated + high)),
+            cache_source: cache.source,
             step_seconds: seconds,
             step_time,
         })
@@ -506,7 +545,7 @@ impl Calibration {
             point,
             low: scaled.iter().copied().fold(point, f64::min),
             high: scaled.iter().copied().fold(point, f64::max),
-            simulated: false,
+            source: CacheSource::Scaled,
         }
     }
 }
@@ -516,9 +555,8 @@ struct Cache {
     point: f64,
     low: f64,
     high: f64,
-    /// From the allocator's rules applied to the trials' requests (a range only where the rules
-    /// missed the larger trial's own peak).
-    simulated: bool,
+    /// Where it comes from (from the allocator's rules, a range only where the source says).
+    source: CacheSource,
 }
 
 impl Cache {
@@ -527,7 +565,7 @@ impl Cache {
     /// (`allocated` plus the cache). From the allocator's rules: whenever it is not a point.
     fn spread(&self, allocated: u64) -> Option<(u64, u64)> {
         let reserved = allocated as f64 + self.point;
-        let apart = if self.simulated {
+        let apart = if self.source.by_rules() {
             self.high > self.low
         } else {
             self.high > self.low * 1.5 && self.high - self.low > reserved / 20.0

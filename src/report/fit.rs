@@ -11,7 +11,7 @@ use super::escape;
 use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
 use crate::fit::estimate::Fixed;
-use crate::fit::estimate::Prediction;
+use crate::fit::estimate::{CacheSource, Prediction};
 use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::rewrite::Options;
 
@@ -314,16 +314,19 @@ fn prediction_lines(prediction: &Prediction) -> String {
     } else {
         ""
     };
-    let by_rules = prediction
-        .categories
-        .iter()
-        .any(|c| c.name == CategoryName::Fragmentation && c.how.contains("allocator's rules"));
-    let why_reserved = if by_rules {
-        "the allocator's rules missed the larger calibration trial's own peak reserved (it gave \
-         back or kept cache the rules did not expect)"
-    } else {
-        "the calibration trials' caches disagree (the allocator's segments did not grow with the \
-         batch alike)"
+    let why_reserved = match prediction.cache_source {
+        CacheSource::RulesMissedTrial => {
+            "the allocator's rules missed the larger calibration trial's own peak reserved (it \
+             gave back or kept cache the rules did not expect)"
+        }
+        CacheSource::RulesSegmentOrder => {
+            "which cached block the allocator reuses depends on where the device puts new \
+             segments, unknown ahead, and at this batch that changes the peak"
+        }
+        CacheSource::Scaled | CacheSource::Rules => {
+            "the calibration trials' caches disagree (the allocator's segments did not grow with \
+             the batch alike)"
+        }
     };
     let reserved_range = prediction
         .reserved_spread
@@ -778,6 +781,25 @@ mod tests {
             display.data[ESTIMATE_MIME]["peak_reserved_high"],
             json!(prediction.peak_reserved * 2)
         );
+
+        // A range from the allocator's rules says which of their reasons made it.
+        for (source, why) in [
+            (
+                CacheSource::RulesMissedTrial,
+                "missed the larger calibration trial's own peak",
+            ),
+            (
+                CacheSource::RulesSegmentOrder,
+                "where the device puts new segments",
+            ),
+        ] {
+            let ranged = Prediction {
+                cache_source: source,
+                ..spread.clone()
+            };
+            let text = prediction_lines(&ranged);
+            assert!(text.contains(why), "{source:?}: {text}");
+        }
     }
 
     #[test]
