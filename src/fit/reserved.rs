@@ -147,9 +147,13 @@ impl<'a> ReservedLines<'a> {
         tracing::debug!(
             "the model gives the trial at {b2} {own:?} bytes reserved; measured {measured}"
         );
+        // Unmeasured (0): the order with the larger peak, the safer point.
         let (order, closest) = own
             .into_iter()
-            .min_by_key(|(_, bytes)| bytes.abs_diff(*measured))
+            .min_by_key(|&(_, bytes)| match *measured {
+                0 => u64::MAX - bytes,
+                measured => bytes.abs_diff(measured),
+            })
             .unwrap_or_default();
         lines.order = order;
         if *measured > 0 && closest > 0 {
@@ -418,10 +422,10 @@ pub(crate) mod tests {
             let by_order = SegmentOrder::BOTH
                 .map(|order| allocator::peak_reserved(&r.trace.segments, r.trace.decoded(), order));
             let (low, high) = (by_order[0].min(by_order[1]), by_order[0].max(by_order[1]));
-            // Within the two orders' range, or within 1% of it (the device's own addresses mix
-            // both orders).
+            // Within the two orders' range, or within 0.7% of it (the device's own addresses
+            // mix both orders: the wide net at 128 is 0.6% under the lower).
             assert!(
-                error(low, r.peak_reserved) < 0.01 && error(high, r.peak_reserved) > -0.01,
+                error(low, r.peak_reserved) < 0.007 && error(high, r.peak_reserved) > -0.007,
                 "{name}: {by_order:?} vs {}",
                 r.peak_reserved
             );
@@ -429,7 +433,8 @@ pub(crate) mod tests {
                 missed[k] += usize::from(error(*bytes, r.peak_reserved).abs() > 0.01);
             }
         }
-        // Neither order alone: new segments above the old miss 5 trials, below 8.
+        // Neither order alone: of these recorded trials, new segments above the old miss 5 by
+        // over 1%, below 8 (the data, as results/gpu/2026-12-04-segment-order/ tells it).
         assert_eq!(missed, [5, 8]);
     }
 
@@ -441,7 +446,7 @@ pub(crate) mod tests {
         let [small, large, truth] =
             [32, 64, 128].map(|b| recorded_at(&format!("{dir}/vgg-wide-{b}")));
         let points = [point(&small), point(&large)];
-        let mut lines = ReservedLines::of(&points).unwrap();
+        let lines = ReservedLines::of(&points).unwrap();
         assert_eq!(lines.order, SegmentOrder::NewBelow);
         assert_eq!(lines.model_missed(), None);
         let (predicted, other) = lines.peak_reserved(128, None);
@@ -450,8 +455,18 @@ pub(crate) mod tests {
         // The other order, which bounds the range, is over a tenth higher here.
         let e = error(other, truth.peak_reserved);
         assert!(e > 0.1, "{e:+.3}");
-        lines.order = SegmentOrder::NewAbove;
-        assert_eq!(lines.peak_reserved(128, None), (other, predicted));
+        // The trial at 128 reserved the lower of its two orders' peaks (below's); unmeasured,
+        // it would tell no order, and the larger peak's is taken.
+        let mut points = [64, 128].map(|b| point(&recorded_at(&format!("{dir}/vgg-wide-{b}"))));
+        assert_eq!(
+            ReservedLines::of(&points).unwrap().order,
+            SegmentOrder::NewBelow
+        );
+        points[1].1.peak_reserved = 0;
+        let lines = ReservedLines::of(&points).unwrap();
+        assert_eq!(lines.order, SegmentOrder::NewAbove);
+        let (point_256, other_256) = lines.peak_reserved(256, None);
+        assert!(point_256 > other_256, "{point_256} {other_256}");
     }
 
     #[test]

@@ -203,7 +203,18 @@ pub fn estimate_display(view: &EstimateView) -> Display {
         how: "measured: NVML's process usage beyond the allocator".into(),
     });
     let total: u64 = categories.iter().map(|c| c.bytes).sum();
-    let verdict = verdict(total, view.capacity);
+    // Where peak reserved is a range, its high end may not fit where the point does.
+    let total_at_high = view
+        .prediction
+        .reserved_spread
+        .map(|(_, high)| total + high.saturating_sub(view.prediction.peak_reserved));
+    let mut verdict = verdict(total, view.capacity);
+    if let Some(high) = total_at_high.filter(|&h| total <= view.capacity && h > view.capacity) {
+        verdict.push_str(&format!(
+            "; not at the high end of its peak reserved range ({} over)",
+            human_bytes(high - view.capacity)
+        ));
+    }
     let title = format!("predicted peak, {}", view.what);
     let svg = chart::stacked_bar_against(&title, &categories, view.capacity)
         .unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
@@ -272,6 +283,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "context": view.context,
             "capacity": view.capacity,
             "fits": total <= view.capacity,
+            "fits_at_range_high": total_at_high.map(|h| h <= view.capacity),
             "step_seconds": view.prediction.step_seconds,
             "step_seconds_low": step_time.low,
             "step_seconds_high": step_time.high,
@@ -316,8 +328,8 @@ fn prediction_lines(prediction: &Prediction) -> String {
     };
     let why_reserved = match prediction.cache_source {
         CacheSource::RulesMissedTrial => {
-            "the allocator's rules missed the larger calibration trial's own peak reserved (it \
-             gave back or kept cache the rules did not expect)"
+            "the allocator's rules missed the larger calibration trial's own peak reserved, in \
+             either order of its segments (it reserved what its requests do not explain)"
         }
         CacheSource::RulesSegmentOrder => {
             "which cached block the allocator reuses depends on where the device puts new \
@@ -781,6 +793,23 @@ mod tests {
             display.data[ESTIMATE_MIME]["peak_reserved_high"],
             json!(prediction.peak_reserved * 2)
         );
+        // The point fits a card the range's high end does not: the verdict says both.
+        let total = prediction.peak_reserved + (500 << 20);
+        let tight = estimate_display(&EstimateView {
+            what: "batch 64".into(),
+            prediction: &spread,
+            context: 500 << 20,
+            capacity: total + (prediction.peak_reserved / 2),
+            trials: std::slice::from_ref(&trial),
+            check: None,
+        });
+        let text = tight.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("fits: ") && text.contains("; not at the high end of its peak"),
+            "{text}"
+        );
+        assert_eq!(tight.data[ESTIMATE_MIME]["fits"], true);
+        assert_eq!(tight.data[ESTIMATE_MIME]["fits_at_range_high"], false);
 
         // A range from the allocator's rules says which of their reasons made it.
         for (source, why) in [
