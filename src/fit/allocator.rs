@@ -53,6 +53,14 @@ pub enum SegmentOrder {
 impl SegmentOrder {
     /// Both orders.
     pub const BOTH: [SegmentOrder; 2] = [SegmentOrder::NewAbove, SegmentOrder::NewBelow];
+
+    /// The order that is not this one.
+    pub fn other(self) -> SegmentOrder {
+        match self {
+            SegmentOrder::NewAbove => SegmentOrder::NewBelow,
+            SegmentOrder::NewBelow => SegmentOrder::NewAbove,
+        }
+    }
 }
 
 /// A request's size as the allocator serves it.

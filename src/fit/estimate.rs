@@ -409,25 +409,7 @@ impl Calibration {
                 CategoryName::Fragmentation,
                 cache.point.round() as u64,
                 false,
-                if cache.source == CacheSource::RulesMissedTrial {
-                    "the allocator's rules applied to the calibration trials' requests, each on \
-                     its line to this batch (the heaviest operators' as they ran alone here); \
-                     the rules missed the larger trial's own peak reserved by over 5%: peak \
-                     reserved is a range"
-                } else if cache.source == CacheSource::RulesSegmentOrder {
-                    "the allocator's rules applied to the calibration trials' requests, each on \
-                     its line to this batch (the heaviest operators' as they ran alone here); \
-                     which cached block is reused depends on where the device puts new \
-                     segments, and at this batch that changes the peak: peak reserved is a range"
-                } else if cache.source.by_rules() {
-                    "the allocator's rules applied to the calibration trials' requests, each on \
-                     its line to this batch (the heaviest operators' as they ran alone here)"
-                } else if cache.spread(peak_allocated).is_some() {
-                    "the allocator's cache, scaled from the larger calibration trial (the other \
-                     trial's, scaled alike, differs by over half: peak reserved is a range)"
-                } else {
-                    "the allocator's cache, scaled from the larger calibration trial"
-                },
+                &cache.how(peak_allocated),
             ),
         ];
         Some(Prediction {
@@ -564,6 +546,32 @@ struct Cache {
 }
 
 impl Cache {
+    /// How it was found, for the category's "how" (with `allocated`, the peak it tops).
+    fn how(&self, allocated: u64) -> String {
+        const BY_RULES: &str = "the allocator's rules applied to the calibration trials' \
+                                requests, each on its line to this batch (the heaviest \
+                                operators' as they ran alone here)";
+        match self.source {
+            CacheSource::RulesMissedTrial => format!(
+                "{BY_RULES}; the rules missed the larger trial's own peak reserved by over 5%: \
+                 peak reserved is a range"
+            ),
+            CacheSource::RulesSegmentOrder => format!(
+                "{BY_RULES}; which cached block is reused depends on where the device puts new \
+                 segments, and at this batch that changes the peak: peak reserved is a range"
+            ),
+            CacheSource::Rules => BY_RULES.to_string(),
+            CacheSource::Scaled if self.spread(allocated).is_some() => {
+                "the allocator's cache, scaled from the larger calibration trial (the other \
+                 trial's, scaled alike, differs by over half: peak reserved is a range)"
+                    .to_string()
+            }
+            CacheSource::Scaled => {
+                "the allocator's cache, scaled from the larger calibration trial".to_string()
+            }
+        }
+    }
+
     /// The range, when the trials disagree so that it matters: the largest cache over half as
     /// much again as the smallest, and apart by over a twentieth of the predicted peak reserved
     /// (`allocated` plus the cache). From the allocator's rules: whenever it is not a point.

@@ -266,11 +266,7 @@ impl<'a> ReservedLines<'a> {
             });
             allocator::peak_reserved(&self.large.trace.segments, events, order)
         };
-        let other = SegmentOrder::BOTH
-            .into_iter()
-            .find(|&o| o != self.order)
-            .unwrap_or_default();
-        (replay(self.order), replay(other))
+        (replay(self.order), replay(self.order.other()))
     }
 }
 
