@@ -323,36 +323,7 @@ impl Calibration {
             .round() as u64;
         let (seconds, step_time) = self.step_time(micro, accumulate);
         let peak_allocated = scenario.begin + loop_peak;
-        // The trials' allocator events replayed at `micro` where they line up (a loop that
-        // accumulates runs other requests than its trials did); else the cache's share.
-        // Where the model missed the larger trial's own peak, the same miss scaled to here
-        // bounds a range; so does the other segment order, where it gives another peak.
-        let simulated = (accumulate == 1)
-            .then(|| ReservedLines::of(&self.points))
-            .flatten()
-            .map(|lines| {
-                let (reserved, other_order) = lines.peak_reserved(micro, self.replayed.as_ref());
-                let reserved = reserved as f64;
-                let missed = lines.model_missed().map(|ratio| reserved * ratio);
-                let other_order = Some(other_order as f64).filter(|&b| b != reserved);
-                let ends = [missed, other_order].into_iter().flatten();
-                let above = |bytes: f64| (bytes - peak_allocated as f64).max(0.0);
-                Cache {
-                    point: above(reserved),
-                    low: above(ends.clone().fold(reserved, f64::min)),
-                    high: above(ends.fold(reserved, f64::max)),
-                    source: match (missed, other_order) {
-                        (Some(_), _) => CacheSource::RulesMissedTrial,
-                        (None, Some(_)) => CacheSource::RulesSegmentOrder,
-                        (None, None) => CacheSource::Rules,
-                    },
-                }
-            });
-        let mut cache = simulated.unwrap_or_else(|| self.cache(loop_peak));
-        if cache.source.by_rules() && cache.spread(peak_allocated).is_none() {
-            // Ends that round to one point: no range to explain.
-            cache.source = CacheSource::Rules;
-        }
+        let cache = self.cache_at(micro, accumulate, peak_allocated, loop_peak);
         let categories = vec![
             category(
                 CategoryName::Parameters,
@@ -511,6 +482,41 @@ impl Calibration {
         // Said only where it shows: a range the proportional step widened.
         step_time.past_the_trials = proportional > high && step_time.is_range();
         (seconds, step_time)
+    }
+
+    /// The allocator's cache over `peak_allocated` at `micro`: the trials' allocator events
+    /// replayed there where they line up (a loop that accumulates runs other requests than its
+    /// trials did); else the cache's share of the loop's peak. Where the model missed the larger
+    /// trial's own peak, the same miss scaled to here bounds a range; so does the other segment
+    /// order, where it gives another peak.
+    fn cache_at(&self, micro: u64, accumulate: u64, peak_allocated: u64, loop_peak: u64) -> Cache {
+        let simulated = (accumulate == 1)
+            .then(|| ReservedLines::of(&self.points))
+            .flatten()
+            .map(|lines| {
+                let (reserved, other_order) = lines.peak_reserved(micro, self.replayed.as_ref());
+                let reserved = reserved as f64;
+                let missed = lines.model_missed().map(|ratio| reserved * ratio);
+                let other_order = Some(other_order as f64).filter(|&b| b != reserved);
+                let ends = [missed, other_order].into_iter().flatten();
+                let above = |bytes: f64| (bytes - peak_allocated as f64).max(0.0);
+                Cache {
+                    point: above(reserved),
+                    low: above(ends.clone().fold(reserved, f64::min)),
+                    high: above(ends.fold(reserved, f64::max)),
+                    source: match (missed, other_order) {
+                        (Some(_), _) => CacheSource::RulesMissedTrial,
+                        (None, Some(_)) => CacheSource::RulesSegmentOrder,
+                        (None, None) => CacheSource::Rules,
+                    },
+                }
+            });
+        let mut cache = simulated.unwrap_or_else(|| self.cache(loop_peak));
+        if cache.source.by_rules() && cache.spread(peak_allocated).is_none() {
+            // Ends that round to one point: no range to explain.
+            cache.source = CacheSource::Rules;
+        }
+        cache
     }
 
     /// The allocator's cache at a loop peak of `loop_peak` bytes (above what the notebook held):
