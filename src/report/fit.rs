@@ -259,7 +259,9 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     data.insert(
         "text/html".into(),
         Value::String(format!(
-            "<div class='tchmem-estimate'>{svg}<div><b>{}</b></div>{}<div>{}</div>{}\
+            // The step time and the reserved range are lines of their own, as in the text.
+            "<div class='tchmem-estimate'>{svg}<div><b>{}</b></div>{}\
+             <div style='white-space:pre-line'>{}</div>{}\
              <details><summary>calibration trials</summary>{}</details></div>",
             escape(&verdict),
             table.html(),
@@ -787,6 +789,13 @@ mod tests {
         assert!(
             text.contains("the calibration trials' caches disagree"),
             "{text}"
+        );
+        // In HTML too, the reserved range is a line of its own below the step time.
+        let html = display.data["text/html"].as_str().unwrap();
+        assert!(
+            html.contains("<div style='white-space:pre-line'>predicted step time")
+                && html.contains("\npredicted peak reserved"),
+            "{html}"
         );
         assert!(text.contains(": outside), step"), "{text}");
         assert_eq!(
