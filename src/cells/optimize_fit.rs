@@ -97,12 +97,7 @@ impl<R: Runner> Cells<R> {
             })
             .cloned();
         let mut lines = notes;
-        lines.push(format!(
-            "{} combinations predicted; {} predicted to fit in {}.",
-            ranked.len(),
-            ranked.iter().filter(|c| c.fits).count(),
-            human_bytes(budget)
-        ));
+        lines.push(fitting_line(&ranked, budget));
         let summary = fit_summary(&confirmed, budget, context);
         (io.output)(CellOutput::Display(summary));
         let Some((winner, _)) = winner else {
@@ -269,6 +264,26 @@ impl<R: Runner> Cells<R> {
         }
         self.run_as_the_cell(&rewritten.code, io)
     }
+}
+
+/// How many candidates were predicted, and how many fit (and how many of those only at the point
+/// of a peak reserved range, which the confirmations try last).
+fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
+    let fitting = ranked.iter().filter(|c| c.fits).count();
+    let at_point_only = ranked.iter().filter(|c| c.fits && !c.fits_at_high).count();
+    format!(
+        "{} combinations predicted; {fitting} predicted to fit in {}{}.",
+        ranked.len(),
+        human_bytes(budget),
+        if at_point_only > 0 {
+            format!(
+                " ({at_point_only} of them at the point of their peak reserved range only, not \
+                 at its high end: ranked after the others)"
+            )
+        } else {
+            String::new()
+        }
+    )
 }
 
 /// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the

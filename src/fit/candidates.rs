@@ -75,8 +75,11 @@ pub struct Candidate {
     pub options: Options,
     /// The prediction at the cell's batch.
     pub prediction: Prediction,
-    /// Whether the prediction stays within the budget.
+    /// Whether the predicted peak reserved stays within the budget.
     pub fits: bool,
+    /// Whether it stays within even at the high end of the peak reserved range (as `fits` where
+    /// the prediction has no range).
+    pub fits_at_high: bool,
 }
 
 impl Candidate {
@@ -96,9 +99,9 @@ impl Candidate {
 
 /// Every combination of the calibrated bases with accumulation (up to the batch) and the
 /// optimizers (the cell's own, and the leaner ones), predicted at `batch` and ranked: those
-/// whose predicted peak reserved plus `context` stays within `budget` first, fastest first
-/// (within 2%, the one with fewer rewrites and the cell's own optimizer first); then the rest,
-/// smallest peak first.
+/// whose predicted peak reserved plus `context` stays within `budget` even at the high end of
+/// its range first, then those that fit at the point only, each fastest first (within 2%, the one
+/// with fewer rewrites and the cell's own optimizer first); then the rest, smallest peak first.
 pub fn ranked(
     calibrations: &[(Base, Calibration)],
     cell_rule: &OptimizerRule,
@@ -131,19 +134,22 @@ pub fn ranked(
                     ..base.options()
                 };
                 let fits = prediction.peak_reserved + context <= budget;
+                let fits_at_high = prediction.peak_reserved_high() + context <= budget;
                 all.push(Candidate {
                     options,
                     prediction,
                     fits,
+                    fits_at_high,
                 });
             }
         }
     }
-    // A total order first (fitting ones by time, the rest by peak); then, among the fitting ones
-    // within 2% of the fastest, fewer rewrites first (a comparator that mixed both would not be
-    // an order).
+    // A total order first (fitting ones by time, sure ones before those that fit at the point
+    // only; the rest by peak); then, among the first class's candidates within 2% of the
+    // fastest, fewer rewrites first (a comparator that mixed both would not be an order).
+    let class = |c: &Candidate| (c.fits_at_high, c.fits);
     all.sort_by(|a, b| {
-        b.fits.cmp(&a.fits).then_with(|| {
+        class(b).cmp(&class(a)).then_with(|| {
             if a.fits {
                 a.prediction
                     .step_seconds
@@ -153,14 +159,13 @@ pub fn ranked(
             }
         })
     });
-    if let Some(fastest) = all
-        .first()
-        .filter(|c| c.fits)
-        .map(|c| c.prediction.step_seconds)
-    {
+    if let Some(first) = all.first().filter(|c| c.fits).cloned() {
+        let fastest = first.prediction.step_seconds;
         let close = all
             .iter()
-            .take_while(|c| c.fits && c.prediction.step_seconds <= fastest * 1.02)
+            .take_while(|c| {
+                class(c) == class(&first) && c.prediction.step_seconds <= fastest * 1.02
+            })
             .count();
         all[..close].sort_by_key(Candidate::changes);
     }
@@ -251,6 +256,37 @@ mod tests {
         // Accumulation is only tried up to the batch.
         let small = ranked(&recorded(), &OptimizerRule::Adam, 2, 0, budget, 0);
         assert!(small.iter().all(|c| c.options.accumulate.unwrap_or(1) <= 2));
+    }
+
+    #[test]
+    fn a_candidate_that_fits_only_at_the_point_of_its_range_ranks_after_the_sure_ones() {
+        // bf16 alone is the fastest, but its smaller calibration trial cached as much as its
+        // loop peak where the larger cached a tenth: its peak reserved is a range whose high end
+        // is far above the point.
+        let mut bases = recorded();
+        let (_, small) = &mut bases[2].1.points[0];
+        small.peak_reserved = small.peak_allocated * 2;
+        let roomy = ranked(&bases, &OptimizerRule::Adam, 64, 0, 1 << 40, 0);
+        let bf16 = |all: &[Candidate]| {
+            all.iter()
+                .find(|c| c.options.flags() == "--amp bf16")
+                .cloned()
+                .unwrap()
+        };
+        let (point, high) = bf16(&roomy).prediction.reserved_spread.unwrap();
+        assert!(high > point + point / 2, "{point} {high}");
+        // A budget between its point and its high end.
+        let budget = bf16(&roomy).prediction.peak_reserved + MIB;
+        let all = ranked(&bases, &OptimizerRule::Adam, 64, 0, budget, 0);
+        let unsure = bf16(&all);
+        assert!(unsure.fits && !unsure.fits_at_high, "{unsure:?}");
+        let first = &all[0];
+        assert!(first.fits_at_high, "{first:?}");
+        assert!(first.prediction.step_seconds > unsure.prediction.step_seconds);
+        // Sure ones, then those that fit at the point only, then the rest.
+        let class = |c: &Candidate| c.fits as u8 + c.fits_at_high as u8;
+        assert!(all.windows(2).all(|w| class(&w[0]) >= class(&w[1])));
+        assert!(all.iter().any(|c| !c.fits));
     }
 
     #[test]

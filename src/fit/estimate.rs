@@ -201,6 +201,14 @@ pub enum CacheSource {
     RulesSegmentOrder,
 }
 
+impl Prediction {
+    /// The high end of the peak reserved range (the point where there is no range).
+    pub fn peak_reserved_high(&self) -> u64 {
+        self.reserved_spread
+            .map_or(self.peak_reserved, |(_, high)| high.max(self.peak_reserved))
+    }
+}
+
 impl CacheSource {
     /// Whether the allocator's rules made it.
     pub fn by_rules(self) -> bool {

@@ -204,10 +204,10 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     });
     let total: u64 = categories.iter().map(|c| c.bytes).sum();
     // Where peak reserved is a range, its high end may not fit where the point does.
-    let total_at_high = view
-        .prediction
+    let prediction = view.prediction;
+    let total_at_high = prediction
         .reserved_spread
-        .map(|(_, high)| total + high.saturating_sub(view.prediction.peak_reserved));
+        .map(|_| total + prediction.peak_reserved_high() - prediction.peak_reserved);
     let mut verdict = verdict(total, view.capacity);
     if let Some(high) = total_at_high.filter(|&h| total <= view.capacity && h > view.capacity) {
         verdict.push_str(&format!(
