@@ -237,7 +237,9 @@ fn fixes(
 /// Fixes measured, not guessed: from a calibration of the failed cell (two short trials at
 /// smaller batches, see [`crate::fit::estimate`]), the predicted peak of the loop as written at
 /// its batch, and of each fix the calibration can predict (a smaller batch, micro-batches, a
-/// leaner optimizer), against `limit` (what the allocator may reserve). Fitting ones first.
+/// leaner optimizer), against `limit` (what the allocator may reserve). Fitting ones first. A fix
+/// covers the failure when the high end of its peak reserved range fits (the cell just ran out
+/// of memory: a line to paste must not do so again where the point was optimistic).
 pub fn measured_fixes(
     calibration: &Calibration,
     binding: &BatchBinding,
@@ -245,6 +247,7 @@ pub fn measured_fixes(
     begin: u64,
     limit: u64,
 ) -> (u64, Vec<Suggestion>) {
+    // (point, high end) of the predicted peak reserved.
     let predict = |batch: u64, accumulate: u64, rule: OptimizerRule| {
         calibration
             .predict(&Scenario {
@@ -254,23 +257,33 @@ pub fn measured_fixes(
                 begin,
                 zero_ranks: None,
             })
-            .map_or(u64::MAX, |p| p.peak_reserved)
+            .map_or((u64::MAX, u64::MAX), |p| {
+                (p.peak_reserved, p.peak_reserved_high())
+            })
     };
-    let needed = predict(binding.value, 1, rule);
+    let (needed, _) = predict(binding.value, 1, rule);
     let mut fixes = Vec::new();
-    let mut push = |line: String, peak: u64, why: String| {
+    let mut push = |line: String, (peak, high): (u64, u64), why: String| {
+        let range = if high > peak {
+            format!(" (up to {} by its range)", human_bytes(high))
+        } else {
+            String::new()
+        };
         fixes.push(Suggestion {
             line,
             saving: needed.saturating_sub(peak),
-            why: format!("predicted peak {}; {why}", human_bytes(peak)),
-            covers: peak <= limit,
+            why: format!("predicted peak {}{range}; {why}", human_bytes(peak)),
+            covers: high <= limit,
         })
     };
     // The predicted peak grows with the batch: the largest that fits by bisection.
+    let fits_at = |batch: u64, accumulate: u64, rule: OptimizerRule| {
+        predict(batch, accumulate, rule).1 <= limit
+    };
     let (mut fits, mut too_big) = (0u64, binding.value);
     while too_big - fits > 1 {
         let mid = fits + (too_big - fits) / 2;
-        if predict(mid, 1, rule) <= limit {
+        if fits_at(mid, 1, rule) {
             fits = mid;
         } else {
             too_big = mid;
@@ -286,7 +299,7 @@ pub fn measured_fixes(
     if let Some(k) = [2u64, 4, 8, 16]
         .into_iter()
         .filter(|&k| k <= binding.value)
-        .find(|&k| predict(binding.value, k, rule) <= limit)
+        .find(|&k| fits_at(binding.value, k, rule))
     {
         push(
             format!("%%optimize --accumulate {k}"),
@@ -448,6 +461,50 @@ mod tests {
         assert!(fixes
             .iter()
             .any(|f| f.line == format!("let batch_size = {n};")));
+    }
+
+    #[test]
+    fn a_measured_fix_covers_the_failure_only_at_the_high_end_of_its_range() {
+        const MIB: u64 = 1 << 20;
+        let rule = OptimizerRule::Adam;
+        let sim = crate::fit::estimate::tests::simulated;
+        // The smaller trial cached as much as it allocated, the larger a tenth: the prediction's
+        // peak reserved is a range, its high end well above the point.
+        let mut small = sim(16, 0, &rule);
+        small.peak_reserved = small.peak_allocated * 2;
+        let calibration = Calibration {
+            points: vec![(16, small), (32, sim(32, 0, &rule))],
+            rule,
+            gradients_in_backward: false,
+            replayed: None,
+        };
+        let at = |batch: u64| {
+            calibration
+                .predict(&Scenario {
+                    batch,
+                    accumulate: 1,
+                    rule,
+                    begin: 0,
+                    zero_ranks: None,
+                })
+                .unwrap()
+        };
+        let binding = crate::rewrite::batch::find("let batch_size = 64;").unwrap();
+        let limit = 200 * MIB;
+        let (_, fixes) = measured_fixes(&calibration, &binding, rule, 0, limit);
+        let batch = fixes
+            .iter()
+            .find(|f| f.line.starts_with("let batch_size"))
+            .unwrap();
+        let n: u64 = batch.line[17..batch.line.len() - 1].parse().unwrap();
+        assert!(batch.covers && batch.why.contains("up to"), "{batch:?}");
+        assert!(at(n).peak_reserved_high() <= limit);
+        assert!(
+            at(n + 1).peak_reserved_high() > limit,
+            "{n} is not the largest"
+        );
+        // The point alone would have said a larger batch fits.
+        assert!(at(n + 1).peak_reserved <= limit);
     }
 
     #[test]
