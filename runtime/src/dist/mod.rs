@@ -24,6 +24,7 @@
 //! Without a group (a process of its own) the rank is 0 of 1 and every collective returns at
 //! once: a loop written for several processes also runs in one.
 
+mod flat;
 mod group;
 mod parameters;
 mod zero;

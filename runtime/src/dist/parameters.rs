@@ -4,6 +4,7 @@
 use tch::nn::VarStore;
 use tch::Tensor;
 
+use super::flat::pieces;
 use super::group::{all_reduce, broadcast, world_size, ReduceOp};
 use crate::error::{Result, RuntimeError};
 use crate::keep::set_grad;
@@ -114,12 +115,9 @@ fn average(bucket: &[Tensor], world: usize) -> Result<()> {
     );
     all_reduce(&mut flat, ReduceOp::Sum)?;
     let _ = flat.g_div_scalar_(world as f64);
-    let mut offset = 0;
-    for gradient in bucket {
-        let numel = gradient.numel() as i64;
-        let mut target = gradient.shallow_clone();
-        target.copy_(&flat.narrow(0, offset, numel).view_as(gradient));
-        offset += numel;
+    let numels = bucket.iter().map(|g| g.numel() as i64);
+    for (gradient, piece) in bucket.iter().zip(pieces(&flat, 0, numels)) {
+        gradient.shallow_clone().copy_(&piece.view_as(gradient));
     }
     Ok(())
 }

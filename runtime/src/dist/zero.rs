@@ -13,6 +13,7 @@ use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 use tchmem_wire::estimate::zero_owners;
 
+use super::flat::pieces;
 use super::group::{all_gather, rank, reduce_scatter, world_size, ReduceOp};
 use super::parameters::{average_gradients, by_name, gradient_anywhere};
 use crate::error::{Result, RuntimeError};
@@ -149,9 +150,18 @@ impl<O> ZeroOptimizer<O> {
     fn slice_len(&self, shares: &[Vec<usize>]) -> i64 {
         shares
             .iter()
-            .map(|share| share.iter().map(|&i| self.params[i].numel() as i64).sum())
+            .map(|share| self.numels(share).iter().sum())
             .max()
             .unwrap_or(0)
+    }
+
+    /// The element counts of a share's parameters, in order (owned: the loops that lay them
+    /// out write the parameters).
+    fn numels(&self, share: &[usize]) -> Vec<i64> {
+        share
+            .iter()
+            .map(|&i| self.params[i].numel() as i64)
+            .collect()
     }
 }
 
@@ -230,29 +240,28 @@ impl<O: Step> ZeroOptimizer<O> {
             let first = &self.params[shares.iter().flatten().copied().next().unwrap_or(0)];
             let flat = Tensor::zeros([slice * self.world as i64], (first.kind(), first.device()));
             for (rank, share) in shares.iter().enumerate() {
-                let mut offset = rank as i64 * slice;
-                for &i in share {
-                    let numel = self.params[i].numel() as i64;
+                let start = rank as i64 * slice;
+                for (&i, mut piece) in share.iter().zip(pieces(&flat, start, self.numels(share))) {
                     let grad = self.params[i].grad();
                     if grad.defined() {
-                        flat.narrow(0, offset, numel).copy_(&grad.reshape([-1]));
+                        piece.copy_(&grad.reshape([-1]));
                     }
-                    offset += numel;
                 }
             }
             let mut mine = reduce_scatter(&flat, ReduceOp::Sum)?;
             let _ = mine.g_div_scalar_(self.world as f64);
-            let mut offset = 0;
-            for &i in &shares[self.rank] {
-                let param = &mut self.params[i];
-                let numel = param.numel() as i64;
+            let mine_shares = &shares[self.rank];
+            for (&i, piece) in mine_shares
+                .iter()
+                .zip(pieces(&mine, 0, self.numels(mine_shares)))
+            {
                 if anywhere[i] {
                     // A copy, not a view of `mine`: zero_grad detaches gradients in place, which
                     // libtorch refuses for views.
-                    let grad = mine.narrow(0, offset, numel).view_as(param).copy();
+                    let param = &mut self.params[i];
+                    let grad = piece.view_as(param).copy();
                     set_grad(param, Some(&grad));
                 }
-                offset += numel;
             }
         }
         Ok(())
@@ -269,24 +278,23 @@ impl<O: Step> ZeroOptimizer<O> {
             }
             let first = &self.params[shares.iter().flatten().copied().next().unwrap_or(0)];
             let mine = Tensor::zeros([slice], (first.kind(), first.device()));
-            let mut offset = 0;
-            for &i in &shares[self.rank] {
-                let numel = self.params[i].numel() as i64;
-                mine.narrow(0, offset, numel)
-                    .copy_(&self.params[i].reshape([-1]));
-                offset += numel;
+            let mine_shares = &shares[self.rank];
+            for (&i, mut piece) in
+                mine_shares
+                    .iter()
+                    .zip(pieces(&mine, 0, self.numels(mine_shares)))
+            {
+                piece.copy_(&self.params[i].reshape([-1]));
             }
             let all = all_gather(&mine)?;
             for (rank, share) in shares.iter().enumerate() {
                 if rank == self.rank {
                     continue;
                 }
-                let mut offset = rank as i64 * slice;
-                for &i in share {
+                let start = rank as i64 * slice;
+                for (&i, piece) in share.iter().zip(pieces(&all, start, self.numels(share))) {
                     let param = &mut self.params[i];
-                    let numel = param.numel() as i64;
-                    param.copy_(&all.narrow(0, offset, numel).view_as(param));
-                    offset += numel;
+                    param.copy_(&piece.view_as(param));
                 }
             }
         }
