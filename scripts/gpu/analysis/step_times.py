@@ -1,0 +1,56 @@
+"""Step-time predictions against their checks, across every committed run of the corpus: for each
+model x configuration checked more than once, the measured step (stable or not from run to run)
+beside the predicted point and range, and how many points are within 20% where the step is at
+least 20 ms (issue 20's goal).
+
+    python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[34]-*/
+"""
+import collections
+import glob
+import json
+import statistics
+import sys
+
+ESTIMATE = "application/vnd.tchmem.estimate+json"
+
+
+def checks(notebook):
+    """(configuration, predicted point, low, high, measured), in ms, of each checked estimate."""
+    for cell in json.load(open(notebook))["cells"]:
+        for output in cell.get("outputs", []):
+            e = output.get("data", {}).get(ESTIMATE)
+            if e and e.get("measured_step_seconds"):
+                yield (e["what"], e["step_seconds"] * 1e3,
+                       e.get("step_seconds_low", e["step_seconds"]) * 1e3,
+                       e.get("step_seconds_high", e["step_seconds"]) * 1e3,
+                       e["measured_step_seconds"] * 1e3)
+
+
+def main(folders):
+    by = collections.defaultdict(list)
+    for folder in folders:
+        for notebook in sorted(glob.glob(f"{folder.rstrip('/')}/**/*.ipynb", recursive=True)):
+            model = notebook.rsplit("/", 1)[-1].split(".")[0]
+            for what, point, low, high, measured in checks(notebook):
+                by[(model, what)].append((point, low, high, measured))
+    long = [c for runs in by.values() for c in runs if c[3] >= 20]
+    within = sum(abs(p / m - 1) <= 0.2 for p, _, _, m in long)
+    in_range = sum(lo * 0.9 <= m <= hi * 1.1 for _, lo, hi, m in long)
+    print(f"{sum(map(len, by.values()))} checks; {len(long)} with a measured step >= 20 ms: "
+          f"point within 20% in {within}, measured within the stated range (a tenth of slack) "
+          f"in {in_range}")
+    print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
+          f"{'predicted points':>17} {'spread':>7}")
+    for (model, what), runs in sorted(by.items()):
+        if len(runs) < 2 or max(r[3] for r in runs) < 20:
+            continue
+        measured = [r[3] for r in runs]
+        points = [r[0] for r in runs]
+        spread = lambda xs: max(xs) / min(xs) - 1
+        print(f"{model:<12} {what[:44]:<44} {len(runs):>2} "
+              f"{min(measured):6.1f}-{max(measured):6.1f}  {spread(measured):+6.0%} "
+              f"{min(points):7.1f}-{max(points):7.1f}  {spread(points):+6.0%}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
