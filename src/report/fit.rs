@@ -541,14 +541,24 @@ pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) 
                 }),
             _ => f64::NAN,
         };
+        let prediction = &candidate.prediction;
+        let high = prediction.peak_reserved_high();
         rows.push(vec![
             name_of(&candidate.options),
-            human_bytes(candidate.prediction.peak_reserved + context),
+            if high > prediction.peak_reserved {
+                format!(
+                    "{} (up to {})",
+                    human_bytes(prediction.peak_reserved + context),
+                    human_bytes(high + context)
+                )
+            } else {
+                human_bytes(prediction.peak_reserved + context)
+            },
             measured.map_or_else(
                 || verdict_of(&trial.outcome),
                 |m| human_bytes(m.peak_reserved + context),
             ),
-            format!("{:.1} ms", candidate.prediction.step_seconds * 1e3),
+            prediction.step_time.describe(prediction.step_seconds),
             measured.map_or("—".into(), |m| format!("{:.1} ms", m.step_seconds * 1e3)),
             if reference.is_none() || measured.is_none() {
                 "—".into()
@@ -567,6 +577,7 @@ pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) 
         numbers.push(json!({
             "rewrites": candidate.options.flags(),
             "predicted_peak_reserved": candidate.prediction.peak_reserved,
+            "predicted_peak_reserved_high": high,
             "predicted_peak_allocated": candidate.prediction.peak_allocated,
             "measured_peak_reserved": measured.map(|m| m.peak_reserved),
             "measured_peak_allocated": measured.map(|m| m.peak_allocated),
@@ -819,6 +830,32 @@ mod tests {
         );
         assert_eq!(tight.data[ESTIMATE_MIME]["fits"], true);
         assert_eq!(tight.data[ESTIMATE_MIME]["fits_at_range_high"], false);
+
+        // --fit's table shows a candidate's range where it has one.
+        let candidate = |prediction: &Prediction| Candidate {
+            options: Default::default(),
+            prediction: prediction.clone(),
+            fits: true,
+            fits_at_high: true,
+        };
+        let summary = fit_summary(
+            &[
+                (candidate(&prediction), trial.clone()),
+                (candidate(&spread), trial.clone()),
+            ],
+            1 << 40,
+            500 << 20,
+        );
+        let text = summary.data["text/plain"].as_str().unwrap();
+        let rows: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("the loop as written"))
+            .collect();
+        assert_eq!(rows.len(), 2, "{text}");
+        assert!(
+            !rows[0].contains("up to") && rows[1].contains("(up to "),
+            "{text}"
+        );
 
         // A range from the allocator's rules says which of their reasons made it.
         for (source, why) in [
