@@ -267,7 +267,7 @@ impl<R: Runner> Cells<R> {
 }
 
 /// How many candidates were predicted, and how many fit (and how many of those only at the point
-/// of a peak reserved range, which the confirmations try last).
+/// of a peak reserved range: ranked, and confirmed, after the others).
 fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
     let fitting = ranked.iter().filter(|c| c.fits).count();
     let at_point_only = ranked.iter().filter(|c| c.fits && !c.fits_at_high).count();
@@ -286,25 +286,85 @@ fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
     )
 }
 
-/// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the
-/// optimizer (the estimator predicts the same step time whatever the optimizer, so trials of
-/// several optimizers on one base tell less than trials of several bases).
+/// The `n` fastest candidates predicted to fit, those that fit at the high end of their peak
+/// reserved range before those that fit at its point only, and within each, preferring ones
+/// that differ in more than the optimizer (the estimator predicts the same step time whatever
+/// the optimizer, so trials of several optimizers on one base tell less than trials of several
+/// bases).
 fn diverse(ranked: &[Candidate], n: usize) -> Vec<&Candidate> {
-    let fitting: Vec<&Candidate> = ranked.iter().filter(|c| c.fits).collect();
     let shape = |c: &Candidate| Options {
         optimizer: None,
         ..c.options.clone()
     };
     let mut chosen: Vec<&Candidate> = Vec::new();
-    for candidate in &fitting {
-        if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
-            chosen.push(candidate);
+    for sure in [true, false] {
+        let class: Vec<&Candidate> = ranked
+            .iter()
+            .filter(|c| c.fits && c.fits_at_high == sure)
+            .collect();
+        for candidate in &class {
+            if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
+                chosen.push(candidate);
+            }
         }
-    }
-    for candidate in &fitting {
-        if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, *candidate)) {
-            chosen.push(candidate);
+        for candidate in &class {
+            if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, *candidate)) {
+                chosen.push(candidate);
+            }
         }
     }
     chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit::estimate::Prediction;
+    use crate::rewrite::{Amp, OptimizerChoice};
+
+    fn candidate(options: Options, fits: bool, fits_at_high: bool) -> Candidate {
+        Candidate {
+            options,
+            prediction: Prediction::default(),
+            fits,
+            fits_at_high,
+        }
+    }
+
+    #[test]
+    fn confirmations_take_the_sure_candidates_first_and_the_line_counts_the_others() {
+        let bf16 = Options {
+            amp: Some(Amp::Bf16),
+            ..Options::default()
+        };
+        let with = |optimizer| Options {
+            optimizer: Some(optimizer),
+            ..Options::default()
+        };
+        // Ranked: three sure ones on one base (optimizers only), then a point-only one of another
+        // base, then one that does not fit.
+        let ranked = [
+            candidate(Options::default(), true, true),
+            candidate(with(OptimizerChoice::Lion), true, true),
+            candidate(with(OptimizerChoice::Adafactor), true, true),
+            candidate(bf16, true, false),
+            candidate(Options::default(), false, false),
+        ];
+        let chosen: Vec<usize> = diverse(&ranked, 3)
+            .into_iter()
+            .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
+            .collect();
+        assert_eq!(chosen, [0, 1, 2]);
+        let chosen: Vec<usize> = diverse(&ranked, 4)
+            .into_iter()
+            .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
+            .collect();
+        assert_eq!(chosen, [0, 1, 2, 3]);
+        let line = fitting_line(&ranked, 1 << 30);
+        assert!(
+            line.starts_with("5 combinations predicted; 4 predicted to fit in 1.0 GiB (1 of them"),
+            "{line}"
+        );
+        assert!(!fitting_line(&ranked[..3], 1 << 30).contains("of them"));
+    }
 }

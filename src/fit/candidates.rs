@@ -239,7 +239,8 @@ mod tests {
         let first = &all[0];
         assert!(first.fits, "{first:?}");
         assert!(first.prediction.peak_reserved <= budget);
-        for other in all.iter().filter(|c| c.fits) {
+        // (Those that fit at the point of a range only rank after the sure ones, however fast.)
+        for other in all.iter().filter(|c| c.fits_at_high) {
             assert!(
                 other.prediction.step_seconds >= first.prediction.step_seconds * 0.98,
                 "{} is faster than {}",

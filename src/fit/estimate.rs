@@ -162,7 +162,7 @@ impl Scenario {
 }
 
 /// A predicted peak.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Prediction {
     /// The micro-batch each forward pass sees.
     pub micro_batch: u64,

@@ -577,7 +577,7 @@ pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) 
         numbers.push(json!({
             "rewrites": candidate.options.flags(),
             "predicted_peak_reserved": candidate.prediction.peak_reserved,
-            "predicted_peak_reserved_high": high,
+            "predicted_peak_reserved_high": prediction.reserved_spread.map(|_| high),
             "predicted_peak_allocated": candidate.prediction.peak_allocated,
             "measured_peak_reserved": measured.map(|m| m.peak_reserved),
             "measured_peak_allocated": measured.map(|m| m.peak_allocated),
@@ -856,6 +856,28 @@ mod tests {
             !rows[0].contains("up to") && rows[1].contains("(up to "),
             "{text}"
         );
+        assert_eq!(
+            summary.data[TRIALS_MIME]["confirmed"][1]["predicted_peak_reserved_high"],
+            json!(prediction.peak_reserved * 2)
+        );
+        assert_eq!(
+            summary.data[TRIALS_MIME]["confirmed"][0]["predicted_peak_reserved_high"],
+            Value::Null
+        );
+        // A step predicted as a range shows as one.
+        let ranged_step = Prediction {
+            step_time: crate::fit::estimate::StepTime {
+                low: 0.030,
+                high: 0.060,
+                launch_bound: true,
+                past_the_trials: false,
+            },
+            step_seconds: 0.030,
+            ..prediction.clone()
+        };
+        let summary = fit_summary(&[(candidate(&ranged_step), trial.clone())], 1 << 40, 0);
+        let text = summary.data["text/plain"].as_str().unwrap();
+        assert!(text.contains("30.0-60.0 ms"), "{text}");
 
         // A range from the allocator's rules says which of their reasons made it.
         for (source, why) in [
