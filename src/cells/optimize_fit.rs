@@ -267,7 +267,7 @@ impl<R: Runner> Cells<R> {
 }
 
 /// How many candidates were predicted, and how many fit (and how many of those only at the point
-/// of a peak reserved range: ranked, and confirmed, after the others).
+/// of a peak reserved range: ranked after the others).
 fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
     let fitting = ranked.iter().filter(|c| c.fits).count();
     let at_point_only = ranked.iter().filter(|c| c.fits && !c.fits_at_high).count();
@@ -286,31 +286,31 @@ fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
     )
 }
 
-/// The `n` fastest candidates predicted to fit, those that fit at the high end of their peak
-/// reserved range before those that fit at its point only, and within each, preferring ones
-/// that differ in more than the optimizer (the estimator predicts the same step time whatever
-/// the optimizer, so trials of several optimizers on one base tell less than trials of several
-/// bases).
+/// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the
+/// optimizer (the estimator predicts the same step time whatever the optimizer, so trials of
+/// several optimizers on one base tell less than trials of several bases), and among those, the
+/// ones that fit at the high end of their peak reserved range before those that fit at its point
+/// only. A trial confirms each: a point-only candidate costs a trial at most, and may be the
+/// fastest that fits.
 fn diverse(ranked: &[Candidate], n: usize) -> Vec<&Candidate> {
     let shape = |c: &Candidate| Options {
         optimizer: None,
         ..c.options.clone()
     };
-    let mut chosen: Vec<&Candidate> = Vec::new();
-    for sure in [true, false] {
-        let class: Vec<&Candidate> = ranked
+    let class = |sure: bool| {
+        ranked
             .iter()
-            .filter(|c| c.fits && c.fits_at_high == sure)
-            .collect();
-        for candidate in &class {
-            if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
-                chosen.push(candidate);
-            }
+            .filter(move |c| c.fits && c.fits_at_high == sure)
+    };
+    let mut chosen: Vec<&Candidate> = Vec::new();
+    for candidate in class(true).chain(class(false)) {
+        if chosen.len() < n && !chosen.iter().any(|c| shape(c) == shape(candidate)) {
+            chosen.push(candidate);
         }
-        for candidate in &class {
-            if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, *candidate)) {
-                chosen.push(candidate);
-            }
+    }
+    for candidate in class(true).chain(class(false)) {
+        if chosen.len() < n && !chosen.iter().any(|c| std::ptr::eq(*c, candidate)) {
+            chosen.push(candidate);
         }
     }
     chosen
@@ -322,6 +322,13 @@ mod tests {
     use crate::fit::estimate::Prediction;
     use crate::rewrite::{Amp, OptimizerChoice};
 
+    fn bf16() -> Options {
+        Options {
+            amp: Some(Amp::Bf16),
+            ..Options::default()
+        }
+    }
+
     fn candidate(options: Options, fits: bool, fits_at_high: bool) -> Candidate {
         Candidate {
             options,
@@ -332,11 +339,8 @@ mod tests {
     }
 
     #[test]
-    fn confirmations_take_the_sure_candidates_first_and_the_line_counts_the_others() {
-        let bf16 = Options {
-            amp: Some(Amp::Bf16),
-            ..Options::default()
-        };
+    fn confirmations_prefer_other_bases_then_sure_candidates_and_the_line_counts_the_others() {
+        let half = bf16();
         let with = |optimizer| Options {
             optimizer: Some(optimizer),
             ..Options::default()
@@ -347,19 +351,35 @@ mod tests {
             candidate(Options::default(), true, true),
             candidate(with(OptimizerChoice::Lion), true, true),
             candidate(with(OptimizerChoice::Adafactor), true, true),
-            candidate(bf16, true, false),
+            candidate(half, true, false),
             candidate(Options::default(), false, false),
         ];
         let chosen: Vec<usize> = diverse(&ranked, 3)
             .into_iter()
             .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
             .collect();
-        assert_eq!(chosen, [0, 1, 2]);
+        // Another base first (a trial of it tells more), the sure ones before it within each pass.
+        assert_eq!(chosen, [0, 3, 1]);
         let chosen: Vec<usize> = diverse(&ranked, 4)
             .into_iter()
             .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
             .collect();
-        assert_eq!(chosen, [0, 1, 2, 3]);
+        assert_eq!(chosen, [0, 3, 1, 2]);
+        // Of candidates on different bases, the sure ones first.
+        let checkpoint = Options {
+            checkpoint: Some(None),
+            ..Options::default()
+        };
+        let mixed = [
+            candidate(Options::default(), true, true),
+            candidate(bf16(), true, false),
+            candidate(checkpoint, true, true),
+        ];
+        let chosen: Vec<usize> = diverse(&mixed, 2)
+            .into_iter()
+            .map(|c| mixed.iter().position(|r| std::ptr::eq(r, c)).unwrap())
+            .collect();
+        assert_eq!(chosen, [0, 2]);
         let line = fitting_line(&ranked, 1 << 30);
         assert!(
             line.starts_with("5 combinations predicted; 4 predicted to fit in 1.0 GiB (1 of them"),
