@@ -13,6 +13,7 @@ use std::time::Instant;
 use tch::Tensor;
 use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
+use crate::busy_time::{self, Activity};
 use crate::cuda_stats::{self, DEVICE};
 use crate::{alloc_trace, estimate, op_trace, record};
 
@@ -26,6 +27,8 @@ struct State {
     existing: std::collections::HashSet<usize>,
     /// Whether a step past the wanted ones is recorded (see [`begin_recording_ops`]).
     record_ops: bool,
+    /// Whether the GPU's work is being profiled now (the step before the recorded one).
+    profiling: bool,
     /// Whether a recording is on now.
     recording: bool,
     /// While the allocator's events are logged (from the beginning of a run that records its
@@ -88,10 +91,12 @@ pub fn begin(steps: usize) {
     start(steps, false)
 }
 
-/// [`begin`], and one step more, past the `steps` timed ones, whose operators are recorded
-/// with their bytes (CUDA only; its time and loss are not the run's): a trial of the memory
-/// estimate, which lines up two trials' operators and replays some at the batch it predicts
-/// (`tchmem::op_trace`). A loop that ends before that step records nothing.
+/// [`begin`], and two steps more past the `steps` timed ones (CUDA only; their times and losses
+/// are not the run's): one whose operators are recorded with their bytes, then one whose GPU
+/// work is profiled for its busy time: a trial of the memory estimate, which lines up two
+/// trials' operators and replays some at the batch it predicts (`tchmem::op_trace`), and draws
+/// the step time's line through the GPU's work. A loop that ends before a step records nothing
+/// of it.
 pub fn begin_recording_ops(steps: usize) {
     start(steps, tch::Cuda::is_available())
 }
@@ -129,6 +134,7 @@ fn start(steps: usize, record_ops: bool) {
         // A model kept for the run (made in an earlier cell) is the run's own.
         existing: &estimate::watched_addresses() - &crate::keep::kept_addresses(),
         record_ops,
+        profiling: false,
         recording: false,
         alloc_segments,
     });
@@ -175,13 +181,27 @@ pub fn record_step(loss: &Tensor) -> bool {
     };
     // The recorded step, one past the steps wanted, ends here (reading the loss is not the
     // loop's). Its memory is any step's and counts; its time and loss do not (the recording
-    // slows every operator).
+    // slows every operator). One step more follows, with the GPU's work profiled.
     if state.recording {
         state.recording = false;
         state.record_ops = false;
         state.run.ops = op_trace::stop().ok();
         state.run.allocations = state.alloc_segments.take().map(alloc_trace::stop);
         synchronize();
+        measure(state);
+        state.profiling = busy_time::start(Activity::Device).is_ok();
+        return !state.profiling;
+    }
+    // The profiled step ends here: the GPU's busy time is the run's; the step's time and loss
+    // are not (the profiler slows the host). Last, so that a loop too short for it still has
+    // its recorded operators.
+    if state.profiling {
+        synchronize();
+        state.profiling = false;
+        state.run.gpu_busy_seconds = busy_time::stop(Activity::Device)
+            .ok()
+            .filter(|busy| busy.events > 0)
+            .map(|busy| busy.time.as_secs_f64());
         measure(state);
         return true;
     }
@@ -240,6 +260,11 @@ fn measure(state: &mut State) {
 /// Ends the run; the value shows as the run's measurements (the kernel reads them).
 pub fn finish() -> Finished {
     let mut state = state().take();
+    if let Some(state) = state.as_mut().filter(|s| s.profiling) {
+        // The loop stopped before the profiled step's end.
+        let _ = busy_time::stop(Activity::Device);
+        state.profiling = false;
+    }
     if let Some(state) = state.as_mut().filter(|s| s.recording) {
         // The loop stopped before the recorded step's end.
         let _ = op_trace::stop();
@@ -258,5 +283,39 @@ impl Finished {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
         crate::display::json_result(COMPARE_RUN_MIME, &self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::{self, Module, OptimizerConfig};
+    use tch::{Device, Kind};
+
+    #[test]
+    fn a_trial_times_its_steps_then_records_one_and_profiles_one() {
+        // A trial as on CUDA (the kernel asks for it only there); on this CPU the profiler sees
+        // no device work, and the steps still run in that order.
+        let _profile = crate::busy_time::one_profile_at_a_time();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = nn::linear(vs.root(), 4, 1, Default::default());
+        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+        let x = Tensor::randn([32, 4], (Kind::Float, Device::Cpu));
+        start(2, true);
+        let mut steps = 0;
+        for _ in 0..100 {
+            let loss = model.forward(&x).mean(Kind::Float);
+            opt.backward_step(&loss);
+            steps += 1;
+            if record_step(&loss) {
+                break;
+            }
+        }
+        let run = finish().0;
+        assert_eq!(steps, 4, "two timed, one recorded, one profiled");
+        assert_eq!(run.losses.len(), 2);
+        assert_eq!(run.step_seconds.len(), 2);
+        assert!(run.ops.is_some_and(|ops| !ops.ops.is_empty()));
+        assert_eq!(run.gpu_busy_seconds, None, "no device here");
     }
 }

@@ -7,6 +7,7 @@ pub mod accumulate;
 mod alloc_trace;
 pub mod amp;
 pub mod boxed;
+mod busy_time;
 mod categories;
 pub mod checkpoint;
 pub mod compare;

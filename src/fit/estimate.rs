@@ -236,6 +236,10 @@ pub struct StepTime {
     /// trials': their line carries the fixed costs of small steps, which a large step may
     /// outgrow, so the range reaches time in proportion to the batch.
     pub past_the_trials: bool,
+    /// The GPU's own work in a step at this batch, in seconds: a line through the trials'
+    /// profiled steps, where each trial profiled one. No step is faster, so it is the point
+    /// where it is above the wall time's line (launch-bound trials hide how the work grows).
+    pub gpu_work: Option<f64>,
 }
 
 impl StepTime {
@@ -449,7 +453,11 @@ impl Calibration {
             Line::through(&points, 0.0).map_or(pick(largest), |l| l.value_at(micro as f64))
                 * accumulate as f64
         };
-        let seconds = seconds_at(|m| m.step_seconds);
+        // No step is faster than the GPU's work in it: launch-bound trials' wall times barely
+        // grow with the batch, their GPU's work does (on the H200 min_gpt took 37.7 ms at
+        // batches 16 and 32, 74 ms at 128).
+        let gpu_work = self.gpu_work_at(micro).map(|work| work * accumulate as f64);
+        let seconds = seconds_at(|m| m.step_seconds).max(gpu_work.unwrap_or(0.0));
         let low = seconds_at(|m| m.step_range.0).min(seconds);
         let high = seconds_at(|m| m.step_range.1).max(seconds);
         // Doubling the batch (or so) added under a quarter to the fastest step.
@@ -486,10 +494,22 @@ impl Calibration {
             high: high.max(proportional),
             launch_bound,
             past_the_trials: false,
+            gpu_work,
         };
         // Said only where it shows: a range the proportional step widened.
         step_time.past_the_trials = proportional > high && step_time.is_range();
         (seconds, step_time)
+    }
+
+    /// The GPU's busy time in a step at `micro`: a line through the trials' profiled steps, or
+    /// in proportion to the batch from one (`None` unless every trial profiled one).
+    fn gpu_work_at(&self, micro: u64) -> Option<f64> {
+        let points: Vec<(f64, f64)> = self
+            .points
+            .iter()
+            .map(|(b, m)| Some((*b as f64, m.gpu_busy_seconds?)))
+            .collect::<Option<_>>()?;
+        Line::through(&points, 0.0).map(|line| line.value_at(micro as f64))
     }
 
     /// The allocator's cache over `peak_allocated` at `micro`: the trials' allocator events
@@ -654,6 +674,7 @@ pub(crate) mod tests {
             step: Some(begin + step),
             step_seconds: 0.01 + 0.002 * batch as f64,
             step_range: (0.01 + 0.002 * batch as f64, 0.01 + 0.002 * batch as f64),
+            gpu_busy_seconds: None,
             losses: vec![1.0, 0.9, 0.8],
             parameters: shapes(),
             ops: None,
@@ -1016,6 +1037,62 @@ pub(crate) mod tests {
                 .step_time;
             assert!(!inside.past_the_trials, "{inside:?}");
         }
+    }
+
+    #[test]
+    fn the_gpus_work_sets_the_point_where_launch_bound_trials_hide_it() {
+        // Launch-bound trials as min_gpt's on the H200 (about 38 ms at 16 and 32, 74 ms at
+        // 128): the wall times' line stays at 38 ms; the GPU worked 9 and 18 ms in their
+        // profiled steps, 72 ms at 128 on its line.
+        let mut calibration = calibrated(&[16, 32]);
+        for (_, m) in calibration.points.iter_mut() {
+            m.step_seconds = 0.038;
+            m.step_range = (0.037, 0.039);
+        }
+        let blind = calibration
+            .predict(&scenario(128, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!((blind.step_seconds - 0.038).abs() < 1e-9, "{blind:?}");
+        assert_eq!(blind.step_time.gpu_work, None);
+        for ((_, m), busy) in calibration.points.iter_mut().zip([0.009, 0.018]) {
+            m.gpu_busy_seconds = Some(busy);
+        }
+        let seen = calibration
+            .predict(&scenario(128, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!((seen.step_seconds - 0.072).abs() < 1e-9, "{seen:?}");
+        let time = seen.step_time;
+        assert_eq!(time.gpu_work, Some(seen.step_seconds));
+        assert!(time.launch_bound && time.holds(0.074), "{time:?}");
+        // Two micro-batches of 64: each does its work (36 ms), and launches its kernels (38 ms).
+        let split = calibration
+            .predict(&scenario(128, 2, OptimizerRule::Adam))
+            .unwrap();
+        assert!(
+            (split.step_time.gpu_work.unwrap() - 0.072).abs() < 1e-9,
+            "{split:?}"
+        );
+        assert!((split.step_seconds - 0.076).abs() < 1e-9, "{split:?}");
+
+        // Where the trials are bound by their work, the wall time's line stays the point.
+        let mut calibration = calibrated(&[8, 16]);
+        for ((_, m), busy) in calibration.points.iter_mut().zip([0.020, 0.036]) {
+            m.gpu_busy_seconds = Some(busy);
+        }
+        let prediction = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!(
+            (prediction.step_seconds - 0.074).abs() < 1e-9,
+            "{prediction:?}"
+        );
+        assert!(prediction.step_time.gpu_work.unwrap() < prediction.step_seconds);
+        // One trial without a profiled step: no line.
+        calibration.points[0].1.gpu_busy_seconds = None;
+        let prediction = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert_eq!(prediction.step_time.gpu_work, None);
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct Measured {
     /// The fastest and slowest step after the first, in seconds (the median twice when only
     /// one step was timed).
     pub step_range: (f64, f64),
+    /// How long the GPU worked in the trial's profiled step (its kernels, copies and memsets),
+    /// when it profiled one (CUDA): at a launch-bound batch, less than the step's wall time.
+    pub gpu_busy_seconds: Option<f64>,
     /// The loss of each step.
     pub losses: Vec<f64>,
     /// The model's trainable parameters.
@@ -56,6 +59,7 @@ impl Measured {
             step: run.phase_peaks.as_ref().map(|p| p.step),
             step_seconds: typical,
             step_range: run.step_range_seconds().unwrap_or((typical, typical)),
+            gpu_busy_seconds: run.gpu_busy_seconds,
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
             ops: run.ops.clone(),

@@ -82,7 +82,11 @@ pub fn trial_row(n: usize, trial: &Trial, verdict: &str) -> Vec<String> {
     let (peak, time, loss) = match &trial.outcome {
         Outcome::Ran(m) if m.cuda => (
             human_bytes(m.peak_reserved),
-            format!("{:.1} ms", m.step_seconds * 1e3),
+            match m.gpu_busy_seconds {
+                // The GPU's work in its profiled step: how much of the step is launching.
+                Some(busy) => format!("{:.1} ms (GPU {:.1})", m.step_seconds * 1e3, busy * 1e3),
+                None => format!("{:.1} ms", m.step_seconds * 1e3),
+            },
             m.losses.last().map_or(String::new(), |l| format!("{l:.4}")),
         ),
         Outcome::Ran(m) => (
@@ -290,6 +294,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "step_seconds_low": step_time.low,
             "step_seconds_high": step_time.high,
             "launch_bound": step_time.launch_bound,
+            "gpu_busy_seconds": step_time.gpu_work,
             "micro_batch": view.prediction.micro_batch,
             "categories": categories,
             "measured_peak_allocated": measured.map(|m| m.peak_allocated),
@@ -353,8 +358,28 @@ fn prediction_lines(prediction: &Prediction) -> String {
             )
         });
     format!(
-        "predicted step time {predicted_step} (micro-batch {}){why_range}{reserved_range}",
-        prediction.micro_batch
+        "predicted step time {predicted_step} (micro-batch {}){why_range}{}{reserved_range}",
+        prediction.micro_batch,
+        gpu_work_line(prediction)
+    )
+}
+
+/// The GPU's own work at the batch, where the trials profiled it, and whether it set the point.
+fn gpu_work_line(prediction: &Prediction) -> String {
+    let Some(work) = prediction.step_time.gpu_work else {
+        return String::new();
+    };
+    let sets_the_point = work >= prediction.step_seconds * 0.999;
+    format!(
+        "\nthe GPU's own work in a step at this batch: {:.1} ms (a line through the calibration \
+         trials' profiled steps){}",
+        work * 1e3,
+        if sets_the_point {
+            ", more than the line through their wall times gives: the point (a step is no faster \
+             than its GPU's work)"
+        } else {
+            ""
+        }
     )
 }
 
@@ -759,7 +784,7 @@ mod tests {
         let trial = Trial {
             options: Default::default(),
             batch: 16,
-            outcome: Outcome::Ran(Measured { ..measured }),
+            outcome: Outcome::Ran(measured.clone()),
         };
         let display = estimate_display(&EstimateView {
             what: "batch 64".into(),
@@ -871,6 +896,7 @@ mod tests {
                 high: 0.060,
                 launch_bound: true,
                 past_the_trials: false,
+                gpu_work: None,
             },
             step_seconds: 0.030,
             ..prediction.clone()
@@ -897,6 +923,32 @@ mod tests {
             let text = prediction_lines(&ranged);
             assert!(text.contains(why), "{source:?}: {text}");
         }
+
+        // The GPU's work: in a profiled trial's row, and said where it is the point.
+        let profiled = Trial {
+            outcome: Outcome::Ran(Measured {
+                step_seconds: 0.038,
+                gpu_busy_seconds: Some(0.018),
+                ..measured.clone()
+            }),
+            ..trial.clone()
+        };
+        assert_eq!(trial_row(1, &profiled, "fits")[5], "38.0 ms (GPU 18.0)");
+        assert_eq!(trial_row(1, &trial, "fits")[5], "42.0 ms");
+        let at = |work: f64| {
+            let mut p = prediction.clone();
+            p.step_time.gpu_work = Some(work);
+            p.step_seconds = 0.072;
+            prediction_lines(&p)
+        };
+        let text = at(0.072);
+        assert!(
+            text.contains("the GPU's own work in a step at this batch: 72.0 ms"),
+            "{text}"
+        );
+        assert!(text.contains("no faster than its GPU's work"), "{text}");
+        assert!(!at(0.050).contains("no faster"), "{}", at(0.050));
+        assert!(!prediction_lines(&prediction).contains("GPU"));
     }
 
     #[test]

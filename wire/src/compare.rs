@@ -49,6 +49,11 @@ pub struct CompareRun {
     /// recorded operators on CUDA.
     #[serde(default)]
     pub allocations: Option<AllocTrace>,
+    /// How long the GPU worked in one step past the timed ones (its kernels, copies and
+    /// memsets, profiled), when the run recorded operators on CUDA and the profiler reported
+    /// any: the work a step's wall time hides where launching kernels takes longer.
+    #[serde(default)]
+    pub gpu_busy_seconds: Option<f64>,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.
