@@ -1,7 +1,8 @@
 """Step-time predictions against their checks, across every committed run of the corpus: for each
 model x configuration checked more than once, the measured step (stable or not from run to run)
 beside the predicted point and range, and how many points are within 20% where the step is at
-least 20 ms (issue 20's goal).
+least 20 ms (issue 20's goal); and of the estimates whose trials profiled the GPU's work
+(`gpu_busy_seconds`, from 2026-12-05), the same count apart.
 
     python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[34]-*/
 """
@@ -15,7 +16,8 @@ ESTIMATE = "application/vnd.tchmem.estimate+json"
 
 
 def checks(notebook):
-    """(configuration, predicted point, low, high, measured), in ms, of each checked estimate."""
+    """(configuration, predicted point, low, high, measured, GPU work or None), in ms, of each
+    checked estimate."""
     for cell in json.load(open(notebook))["cells"]:
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
@@ -23,7 +25,8 @@ def checks(notebook):
                 yield (e["what"], e["step_seconds"] * 1e3,
                        e.get("step_seconds_low", e["step_seconds"]) * 1e3,
                        e.get("step_seconds_high", e["step_seconds"]) * 1e3,
-                       e["measured_step_seconds"] * 1e3)
+                       e["measured_step_seconds"] * 1e3,
+                       e["gpu_busy_seconds"] * 1e3 if e.get("gpu_busy_seconds") else None)
 
 
 def main(folders):
@@ -31,14 +34,21 @@ def main(folders):
     for folder in folders:
         for notebook in sorted(glob.glob(f"{folder.rstrip('/')}/**/*.ipynb", recursive=True)):
             model = notebook.rsplit("/", 1)[-1].split(".")[0]
-            for what, point, low, high, measured in checks(notebook):
-                by[(model, what)].append((point, low, high, measured))
+            for what, point, low, high, measured, work in checks(notebook):
+                by[(model, what)].append((point, low, high, measured, work))
     long = [c for runs in by.values() for c in runs if c[3] >= 20]
-    within = sum(abs(p / m - 1) <= 0.2 for p, _, _, m in long)
-    in_range = sum(lo * 0.9 <= m <= hi * 1.1 for _, lo, hi, m in long)
+    within = sum(abs(c[0] / c[3] - 1) <= 0.2 for c in long)
+    in_range = sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in long)
     print(f"{sum(map(len, by.values()))} checks; {len(long)} with a measured step >= 20 ms: "
           f"point within 20% in {within}, measured within the stated range (a tenth of slack) "
           f"in {in_range}")
+    profiled = [c for c in long if c[4] is not None]
+    if profiled:
+        set_by_work = [c for c in profiled if c[4] >= c[0] * 0.999]
+        print(f"  of them with the GPU's work profiled: {len(profiled)}, point within 20% in "
+              f"{sum(abs(c[0] / c[3] - 1) <= 0.2 for c in profiled)}; the work set the point in "
+              f"{len(set_by_work)}, within 20% in "
+              f"{sum(abs(c[0] / c[3] - 1) <= 0.2 for c in set_by_work)}")
     print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
           f"{'predicted points':>17} {'spread':>7}")
     for (model, what), runs in sorted(by.items()):
