@@ -235,6 +235,13 @@ def test_memestimate_predicts_the_measured_peak_within_5_percent(gpu, flags):
     parameters = 8 * (4096 * 4096 + 4096) * 4
     assert categories["parameters"] == parameters
     assert categories["optimizer_state"] == 2 * parameters + 4 * 16
+    # The calibration trials profiled the GPU's work: a line through it at the batch, no more
+    # than the predicted step (which is at least the work), and said in the estimate's text.
+    work = estimate["predicted_gpu_busy_seconds"]
+    assert work and 0 < work <= estimate["step_seconds"] * 1.0001, estimate
+    (text,) = [d["data"]["text/plain"] for d in outputs(messages, "display_data")
+               + outputs(messages, "update_display_data") if ESTIMATE_MIME in d["data"]]
+    assert "the GPU's own work in a step at this batch" in text, flags
 
 
 def test_memfit_finds_the_largest_batch_under_a_memory_fraction(gpu):

@@ -6,6 +6,7 @@
 use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
+use crate::cuda_stats::DEVICE;
 use crate::error::Result;
 use crate::ffi::call;
 
@@ -13,11 +14,13 @@ extern "C" {
     fn tchmem_busy_start(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tchmem_busy_stop(
         device: c_int,
+        index: c_int,
         busy_ns: *mut u64,
         events: *mut usize,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn tchmem_busy_abandon();
 }
 
 /// What one profiled stretch of work measured.
@@ -49,22 +52,39 @@ impl Activity {
     }
 }
 
-/// Starts profiling `activity` (the profiler's set-up is paid here, not in what it measures).
+/// Starts profiling `activity` (the profiler's set-up is paid here, not in what it measures);
+/// fails where a profile is on already. Stopped on the same thread.
 pub(crate) fn start(activity: Activity) -> Result<()> {
     // SAFETY: a plain argument and the error buffer.
     call(|e, n| unsafe { tchmem_busy_start(activity.code(), e, n) })
 }
 
-/// Stops the profile [`start`] began: how long `activity` was busy (the device's work must be
-/// finished first: synchronise before).
+/// Stops the profile [`start`] began: how long `activity` was busy (on the session's device
+/// for the device's work, which must be finished first: synchronise before).
 pub(crate) fn stop(activity: Activity) -> Result<Busy> {
     let (mut busy_ns, mut events) = (0u64, 0usize);
     // SAFETY: out-pointers to locals and the error buffer.
-    call(|e, n| unsafe { tchmem_busy_stop(activity.code(), &mut busy_ns, &mut events, e, n) })?;
+    call(|e, n| unsafe {
+        tchmem_busy_stop(
+            activity.code(),
+            DEVICE as c_int,
+            &mut busy_ns,
+            &mut events,
+            e,
+            n,
+        )
+    })?;
     Ok(Busy {
         time: Duration::from_nanos(busy_ns),
         events,
     })
+}
+
+/// Stops a profile this thread left on (a cell interrupted or failed in a trial's profiled
+/// step), discarding it; nothing when none is on.
+pub(crate) fn abandon() {
+    // SAFETY: no arguments; the shim catches every exception.
+    unsafe { tchmem_busy_abandon() }
 }
 
 /// The profiler is process-wide: one test profiles at a time.
@@ -98,5 +118,14 @@ mod tests {
         let idle = stop(Activity::Host).unwrap();
         assert_eq!(idle.events, 0, "{idle:?}");
         assert!(idle.time < busy.time);
+
+        // A profile left on refuses another start until it is abandoned.
+        start(Activity::Host).unwrap();
+        let refused = start(Activity::Host).unwrap_err().to_string();
+        assert!(refused.contains("already on"), "{refused}");
+        abandon();
+        start(Activity::Host).unwrap();
+        stop(Activity::Host).unwrap();
+        abandon(); // none on: nothing
     }
 }

@@ -27,7 +27,7 @@ struct State {
     existing: std::collections::HashSet<usize>,
     /// Whether a step past the wanted ones is recorded (see [`begin_recording_ops`]).
     record_ops: bool,
-    /// Whether the GPU's work is being profiled now (the step before the recorded one).
+    /// Whether the GPU's work is being profiled now (the step after the recorded one).
     profiling: bool,
     /// Whether a recording is on now.
     recording: bool,
@@ -109,6 +109,8 @@ fn start(steps: usize, record_ops: bool) {
     let allocated_at_begin = cuda_stats::device_stats(DEVICE)
         .ok()
         .map(|stats| stats.current.allocated);
+    // A profile an earlier run left on (interrupted in its profiled step) would refuse this one's.
+    busy_time::abandon();
     // Dropping an earlier run's unfinished log first.
     if let Some(segments) = state().as_mut().and_then(|s| s.alloc_segments.take()) {
         alloc_trace::stop(segments);
@@ -261,7 +263,9 @@ fn measure(state: &mut State) {
 pub fn finish() -> Finished {
     let mut state = state().take();
     if let Some(state) = state.as_mut().filter(|s| s.profiling) {
-        // The loop stopped before the profiled step's end.
+        // The loop stopped before the profiled step's end: its kernels finish before the
+        // profiler flushes.
+        synchronize();
         let _ = busy_time::stop(Activity::Device);
         state.profiling = false;
     }

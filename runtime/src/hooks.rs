@@ -30,6 +30,7 @@ pub fn after_cell() -> AfterCell {
     // First, so that the counters below include what the cell's last kernels freed.
     let timeline = crate::timeline::finish();
     crate::op_trace::abandon();
+    crate::busy_time::abandon();
     let before = state::lock(&state::shared().before).take();
     let record = match cuda_stats::device_stats(DEVICE) {
         Ok(stats) => record::cuda_record(stats, before),

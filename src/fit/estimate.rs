@@ -1042,8 +1042,8 @@ pub(crate) mod tests {
     #[test]
     fn the_gpus_work_sets_the_point_where_launch_bound_trials_hide_it() {
         // Launch-bound trials as min_gpt's on the H200 (about 38 ms at 16 and 32, 74 ms at
-        // 128): the wall times' line stays at 38 ms; the GPU worked 9 and 18 ms in their
-        // profiled steps, 72 ms at 128 on its line.
+        // 128): the wall times' line stays at 38 ms. The GPU's work in their profiled steps is
+        // made up here (not yet measured on a GPU): 9 and 18 ms, 72 ms at 128 on its line.
         let mut calibration = calibrated(&[16, 32]);
         for (_, m) in calibration.points.iter_mut() {
             m.step_seconds = 0.038;

@@ -294,7 +294,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "step_seconds_low": step_time.low,
             "step_seconds_high": step_time.high,
             "launch_bound": step_time.launch_bound,
-            "gpu_busy_seconds": step_time.gpu_work,
+            "predicted_gpu_busy_seconds": step_time.gpu_work,
             "micro_batch": view.prediction.micro_batch,
             "categories": categories,
             "measured_peak_allocated": measured.map(|m| m.peak_allocated),
@@ -375,8 +375,8 @@ fn gpu_work_line(prediction: &Prediction) -> String {
          trials' profiled steps){}",
         work * 1e3,
         if sets_the_point {
-            ", more than the line through their wall times gives: the point (a step is no faster \
-             than its GPU's work)"
+            ", at least what the line through their wall times gives: the point (a step is no \
+             faster than its GPU's work)"
         } else {
             ""
         }

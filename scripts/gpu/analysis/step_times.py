@@ -2,7 +2,7 @@
 model x configuration checked more than once, the measured step (stable or not from run to run)
 beside the predicted point and range, and how many points are within 20% where the step is at
 least 20 ms (issue 20's goal); and of the estimates whose trials profiled the GPU's work
-(`gpu_busy_seconds`, from 2026-12-05), the same count apart.
+(`predicted_gpu_busy_seconds`, from 2026-12-05), the same count apart.
 
     python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[34]-*/
 """
@@ -26,7 +26,8 @@ def checks(notebook):
                        e.get("step_seconds_low", e["step_seconds"]) * 1e3,
                        e.get("step_seconds_high", e["step_seconds"]) * 1e3,
                        e["measured_step_seconds"] * 1e3,
-                       e["gpu_busy_seconds"] * 1e3 if e.get("gpu_busy_seconds") else None)
+                       e["predicted_gpu_busy_seconds"] * 1e3
+                       if e.get("predicted_gpu_busy_seconds") else None)
 
 
 def main(folders):
