@@ -3,7 +3,7 @@
 //! is mostly the host launching kernels, which barely grows with the batch; the device's work
 //! does, and the memory estimate predicts a step from its line.
 
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, OsStr};
 use std::time::Duration;
 
 use crate::cuda_stats::DEVICE;
@@ -21,6 +21,20 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn tchmem_busy_abandon();
+}
+
+/// `TCHMEM_GPU_WORK=0` in the kernel's environment (which its child inherits) leaves the
+/// profiled step out of every trial: a way around a GPU set-up where the profiler (CUPTI)
+/// misbehaves, at the price of the step time's GPU line.
+pub(crate) const ENV: &str = "TCHMEM_GPU_WORK";
+
+/// Whether trials profile the GPU's work (see [`ENV`]).
+pub(crate) fn wanted() -> bool {
+    wanted_by(std::env::var_os(ENV).as_deref())
+}
+
+fn wanted_by(value: Option<&OsStr>) -> bool {
+    value.is_none_or(|v| v != "0")
 }
 
 /// What one profiled stretch of work measured.
@@ -98,6 +112,13 @@ pub(crate) fn one_profile_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 mod tests {
     use super::*;
     use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn only_zero_turns_the_profiled_step_off() {
+        assert!(wanted_by(None));
+        assert!(wanted_by(Some(OsStr::new("1"))));
+        assert!(!wanted_by(Some(OsStr::new("0"))));
+    }
 
     #[test]
     fn the_profiler_measures_the_work_between_start_and_stop() {

@@ -191,7 +191,7 @@ pub fn record_step(loss: &Tensor) -> bool {
         state.run.allocations = state.alloc_segments.take().map(alloc_trace::stop);
         synchronize();
         measure(state);
-        state.profiling = busy_time::start(Activity::Device).is_ok();
+        state.profiling = busy_time::wanted() && busy_time::start(Activity::Device).is_ok();
         return !state.profiling;
     }
     // The profiled step ends here: the GPU's busy time is the run's; the step's time and loss
