@@ -37,10 +37,7 @@ fn load() -> Result<NvmlLib> {
     // SAFETY: loading the driver's own library, whose initialiser has no preconditions.
     let lib = unsafe { NvmlLib::new(LIBRARY) }
         .map_err(|e| nvml_error(format!("NVML unavailable: {e}")))?;
-    let init = lib
-        .nvmlInit_v2
-        .as_ref()
-        .map_err(|e| nvml_error(format!("NVML unavailable: {e}")))?;
+    let init = symbol(&lib.nvmlInit_v2, "NVML unavailable")?;
     // SAFETY: nvmlInit_v2 takes no arguments.
     check(&lib, unsafe { init() }, "NVML unavailable")?;
     Ok(lib)
@@ -48,6 +45,16 @@ fn load() -> Result<NvmlLib> {
 
 fn nvml_error(text: String) -> RuntimeError {
     RuntimeError::Nvml(text)
+}
+
+/// A function of the driver's library, or why it is missing after `what` (an older driver).
+fn symbol<'a, F, E: std::fmt::Display>(
+    found: &'a std::result::Result<F, E>,
+    what: &str,
+) -> Result<&'a F> {
+    found
+        .as_ref()
+        .map_err(|e| nvml_error(format!("{what}: {e}")))
 }
 
 /// `Ok` for NVML_SUCCESS, else the driver's own words for `code` after `what`.
@@ -71,10 +78,7 @@ fn check(lib: &NvmlLib, code: nvmlReturn_t, what: &str) -> Result<()> {
 
 fn device(lib: &NvmlLib, index: u32) -> Result<nvmlDevice_t> {
     let what = format!("NVML device {index}");
-    let by_index = lib
-        .nvmlDeviceGetHandleByIndex_v2
-        .as_ref()
-        .map_err(|e| nvml_error(format!("{what}: {e}")))?;
+    let by_index = symbol(&lib.nvmlDeviceGetHandleByIndex_v2, &what)?;
     let mut handle: nvmlDevice_t = std::ptr::null_mut();
     // SAFETY: `handle` is a valid place for the handle NVML writes.
     check(lib, unsafe { by_index(index, &mut handle) }, &what)?;
@@ -84,10 +88,7 @@ fn device(lib: &NvmlLib, index: u32) -> Result<nvmlDevice_t> {
 /// The processes with a compute context on `device`: NVML's count first, then the list.
 fn compute_processes(lib: &NvmlLib, device: nvmlDevice_t) -> Result<Vec<nvmlProcessInfo_t>> {
     let what = "NVML process list";
-    let list = lib
-        .nvmlDeviceGetComputeRunningProcesses_v3
-        .as_ref()
-        .map_err(|e| nvml_error(format!("{what}: {e}")))?;
+    let list = symbol(&lib.nvmlDeviceGetComputeRunningProcesses_v3, what)?;
     let mut count = 0;
     // SAFETY: a null list with a count of 0 asks for the count (NVML_ERROR_INSUFFICIENT_SIZE).
     match unsafe { list(device, &mut count, std::ptr::null_mut()) } {

@@ -338,6 +338,14 @@ mod tests {
         }
     }
 
+    /// The positions in `ranked` of the `n` candidates [`diverse`] chooses, in its order.
+    fn chosen(ranked: &[Candidate], n: usize) -> Vec<usize> {
+        diverse(ranked, n)
+            .into_iter()
+            .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
+            .collect()
+    }
+
     #[test]
     fn confirmations_prefer_other_bases_then_sure_candidates_and_the_line_counts_the_others() {
         let half = bf16();
@@ -354,17 +362,9 @@ mod tests {
             candidate(half, true, false),
             candidate(Options::default(), false, false),
         ];
-        let chosen: Vec<usize> = diverse(&ranked, 3)
-            .into_iter()
-            .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
-            .collect();
         // Another base first (a trial of it tells more), the sure ones before it within each pass.
-        assert_eq!(chosen, [0, 3, 1]);
-        let chosen: Vec<usize> = diverse(&ranked, 4)
-            .into_iter()
-            .map(|c| ranked.iter().position(|r| std::ptr::eq(r, c)).unwrap())
-            .collect();
-        assert_eq!(chosen, [0, 3, 1, 2]);
+        assert_eq!(chosen(&ranked, 3), [0, 3, 1]);
+        assert_eq!(chosen(&ranked, 4), [0, 3, 1, 2]);
         // Of candidates on different bases, the sure ones first.
         let checkpoint = Options {
             checkpoint: Some(None),
@@ -375,11 +375,7 @@ mod tests {
             candidate(bf16(), true, false),
             candidate(checkpoint, true, true),
         ];
-        let chosen: Vec<usize> = diverse(&mixed, 2)
-            .into_iter()
-            .map(|c| mixed.iter().position(|r| std::ptr::eq(r, c)).unwrap())
-            .collect();
-        assert_eq!(chosen, [0, 2]);
+        assert_eq!(chosen(&mixed, 2), [0, 2]);
         let line = fitting_line(&ranked, 1 << 30);
         assert!(
             line.starts_with("5 combinations predicted; 4 predicted to fit in 1.0 GiB (1 of them"),

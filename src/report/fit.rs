@@ -80,18 +80,17 @@ impl Table {
 pub fn trial_row(n: usize, trial: &Trial, verdict: &str) -> Vec<String> {
     let flags = trial.options.flags();
     let (peak, time, loss) = match &trial.outcome {
-        Outcome::Ran(m) if m.cuda => (
-            human_bytes(m.peak_reserved),
+        Outcome::Ran(m) => (
+            if m.cuda {
+                human_bytes(m.peak_reserved)
+            } else {
+                "— (no CUDA)".into()
+            },
             match m.gpu_busy_seconds {
                 // The GPU's work in its profiled step: how much of the step is launching.
                 Some(busy) => format!("{:.1} ms (GPU {:.1})", m.step_seconds * 1e3, busy * 1e3),
                 None => format!("{:.1} ms", m.step_seconds * 1e3),
             },
-            m.losses.last().map_or(String::new(), |l| format!("{l:.4}")),
-        ),
-        Outcome::Ran(m) => (
-            "— (no CUDA)".into(),
-            format!("{:.1} ms", m.step_seconds * 1e3),
             m.losses.last().map_or(String::new(), |l| format!("{l:.4}")),
         ),
         _ => ("—".into(), "—".into(), String::new()),

@@ -30,6 +30,11 @@ def checks(notebook):
                        if e.get("predicted_gpu_busy_seconds") else None)
 
 
+def within(checks):
+    """How many of `checks` have their predicted point within 20% of the measured step."""
+    return sum(abs(c[0] / c[3] - 1) <= 0.2 for c in checks)
+
+
 def main(folders):
     by = collections.defaultdict(list)
     for folder in folders:
@@ -38,18 +43,16 @@ def main(folders):
             for what, point, low, high, measured, work in checks(notebook):
                 by[(model, what)].append((point, low, high, measured, work))
     long = [c for runs in by.values() for c in runs if c[3] >= 20]
-    within = sum(abs(c[0] / c[3] - 1) <= 0.2 for c in long)
     in_range = sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in long)
     print(f"{sum(map(len, by.values()))} checks; {len(long)} with a measured step >= 20 ms: "
-          f"point within 20% in {within}, measured within the stated range (a tenth of slack) "
+          f"point within 20% in {within(long)}, measured within the stated range (a tenth of slack) "
           f"in {in_range}")
     profiled = [c for c in long if c[4] is not None]
     if profiled:
         set_by_work = [c for c in profiled if c[4] >= c[0] * 0.999]
         print(f"  of them with the GPU's work profiled: {len(profiled)}, point within 20% in "
-              f"{sum(abs(c[0] / c[3] - 1) <= 0.2 for c in profiled)}; the work set the point in "
-              f"{len(set_by_work)}, within 20% in "
-              f"{sum(abs(c[0] / c[3] - 1) <= 0.2 for c in set_by_work)}")
+              f"{within(profiled)}; the work set the point in {len(set_by_work)}, within 20% in "
+              f"{within(set_by_work)}")
     print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
           f"{'predicted points':>17} {'spread':>7}")
     for (model, what), runs in sorted(by.items()):
