@@ -195,7 +195,8 @@ def test_memprofile_draws_a_training_steps_timeline_and_names_the_cell_lines(gpu
 
 
 # A training cell for the "will it fit?" magics: the batch bound as a literal, the model made in
-# the cell (in a block: nothing stays allocated), 8 layers of 4096.
+# the cell (in a block: nothing stays allocated), 8 layers of 4096. Five steps: a calibration
+# trial times three, records one's operators and profiles one's GPU work.
 FIT_LOOP = """{
     use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
     let batch_size: i64 = 1024;
@@ -206,7 +207,7 @@ FIT_LOOP = """{
         model = model.add(nn::linear(vs.root() / i, 4096, 4096, Default::default())).add_fn(|x| x.relu());
     }
     let mut opt = nn::Adam::default().build(&vs, 1e-4).unwrap();
-    for _ in 0..3 {
+    for _ in 0..5 {
         let xs = Tensor::randn([batch_size, 4096], (Kind::Float, Device::Cuda(0)));
         let ys = Tensor::randn([batch_size, 4096], (Kind::Float, Device::Cuda(0)));
         let loss = model.forward(&xs).mse_loss(&ys, tch::Reduction::Mean);

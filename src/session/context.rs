@@ -187,6 +187,9 @@ fn runtime_crate_dir() -> PathBuf {
     bundled.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
 }
 
+/// kineto's switch that detaches CUPTI once a profile has stopped.
+const CUPTI_TEARDOWN_ENV: &str = "TEARDOWN_CUPTI";
+
 /// Creates the evcxr context whose child is this binary in child mode.
 pub fn create_context(
     config: &EngineConfig,
@@ -198,6 +201,14 @@ pub fn create_context(
         .env("LD_LIBRARY_PATH", config.child_library_path()?);
     if let Some(ranks) = config.ranks {
         child.env(RANKS_ENV, ranks.to_string());
+    }
+    // The trials of `%memestimate` profile one step's GPU work (runtime/csrc/busy_time.cpp).
+    // Without this, libtorch's profiler (kineto) leaves CUPTI attached after it stops, and every
+    // later kernel launch of the session pays for it (measured on the H200: a launch-bound loop
+    // 13-26% slower after an estimate, results/gpu/2026-12-05-busy-time). A user's own setting
+    // stands.
+    if std::env::var_os(CUPTI_TEARDOWN_ENV).is_none() {
+        child.env(CUPTI_TEARDOWN_ENV, "1");
     }
     // evcxr reads where to compile from the environment as it creates a context: a world
     // compiles beside the notebook's session, in a folder of its own (the session's folder is
