@@ -221,6 +221,13 @@ impl CacheSource {
 /// 3-75 ms predicted from one line through two short trials missed by up to 3x either way).
 pub const SHORT_STEP_SECONDS: f64 = 0.020;
 
+/// A calibration trial whose fastest step took more than this times its GPU's work was bound by
+/// the host: launches and the loop's own CPU work set its time, and that does not follow the
+/// batch (on the H200 such trials' steps at one batch varied up to 2x between cells, char_rnn's
+/// at 64 from 8.4 to 17.2 ms, where their GPU's work stayed within 4%; a line through two of
+/// them, tied_gpt's in bf16, said 59.4 ms for a 24.0 ms step).
+pub const HOST_BOUND_RATIO: f64 = 1.5;
+
 /// The predicted step time as a range, from lines through the calibration trials' fastest and
 /// slowest steps (the median's line between them).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -232,6 +239,9 @@ pub struct StepTime {
     /// Whether the trials' steps barely grew with the batch: the step is bound by kernel
     /// launches and fixed costs, not by the batch's work.
     pub launch_bound: bool,
+    /// Whether every trial's GPU was idle for over a third of its fastest step (see
+    /// [`HOST_BOUND_RATIO`]): the host set their time, and their line does not tell the step.
+    pub host_bound: bool,
     /// Whether the range was widened upwards because the batch lies past the calibration
     /// trials': their line carries the fixed costs of small steps, which a large step may
     /// outgrow, so the range reaches time in proportion to the batch.
@@ -243,10 +253,13 @@ pub struct StepTime {
 }
 
 impl StepTime {
-    /// Whether the prediction is a range rather than a number: a short or launch-bound step,
-    /// or trials whose steps varied by more than a quarter.
+    /// Whether the prediction is a range rather than a number: a short, launch-bound or
+    /// host-bound step, or trials whose steps varied by more than a quarter.
     pub fn is_range(&self) -> bool {
-        self.launch_bound || self.low < SHORT_STEP_SECONDS || self.high > self.low * 1.25
+        self.launch_bound
+            || self.host_bound
+            || self.low < SHORT_STEP_SECONDS
+            || self.high > self.low * 1.25
     }
 
     /// "12.0-30.5 ms", "about 10.2 ms" for a range the trials did not widen, or "41.2 ms"
@@ -465,6 +478,15 @@ impl Calibration {
             [(b1, m1), (b2, m2), ..] if b2 > b1 => m2.step_range.0 < m1.step_range.0 * 1.25,
             _ => false,
         };
+        let host_bound = self.points.iter().all(|(_, m)| {
+            m.gpu_busy_seconds
+                .is_some_and(|work| m.step_range.0 > work * HOST_BOUND_RATIO)
+        }) && !self.points.is_empty();
+        let fastest_of_all = self
+            .points
+            .iter()
+            .map(|(_, m)| m.step_range.0)
+            .fold(f64::INFINITY, f64::min);
         // Launch-bound, a step is no faster than the smaller trial's fastest, and past the
         // larger trial's batch the work may take over: up to time in proportion to the batch.
         // Short calibration steps that did grow say little about the slope (launches and
@@ -473,6 +495,15 @@ impl Calibration {
         let (low, high) = match self.points.first() {
             Some((_, small)) if launch_bound => (
                 low.max(small.step_range.0 * accumulate as f64).min(seconds),
+                high.max(in_proportion(largest.step_range.0)),
+            ),
+            // Host-bound, their line says nothing of the step's time, and the host's part does
+            // not grow with the batch: no faster than the fastest step of any trial, nor than
+            // the GPU's work here.
+            Some(_) if host_bound => (
+                (fastest_of_all * accumulate as f64)
+                    .max(gpu_work.unwrap_or(0.0))
+                    .min(seconds),
                 high.max(in_proportion(largest.step_range.0)),
             ),
             Some((_, small)) if largest.step_range.0 < SHORT_STEP_SECONDS => {
@@ -484,7 +515,7 @@ impl Calibration {
         // (launches), where a large step may be all work: up to the larger trial's median step
         // in proportion to the batch. On the H200 tied_gpt under --checkpoint took 25.2 and
         // 29.7 ms at 8 and 16, and 53.5 ms at 32, where the line said 38.7 ms.
-        let proportional = if micro > *largest_batch && !launch_bound {
+        let proportional = if micro > *largest_batch && !launch_bound && !host_bound {
             in_proportion(largest.step_seconds)
         } else {
             0.0
@@ -493,6 +524,7 @@ impl Calibration {
             low,
             high: high.max(proportional),
             launch_bound,
+            host_bound,
             past_the_trials: false,
             gpu_work,
         };
@@ -1040,10 +1072,48 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn host_bound_trials_give_a_range_from_their_fastest_step() {
+        // tied_gpt on the H200 (results/gpu/2026-12-05-busy-time): in bf16 its trials took
+        // 15.8 and 30.4 ms at 8 and 16 while their GPU worked 4.3 and 6.8 ms; the step at 32
+        // took 24.0 ms, where the line through the trials said 59.4 ms.
+        let mut calibration = calibrated(&[8, 16]);
+        let trials = [(0.0158, 0.0043), (0.0304, 0.0068)];
+        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
+            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
+        }
+        let time = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap()
+            .step_time;
+        assert!(
+            time.host_bound && !time.launch_bound && time.is_range(),
+            "{time:?}"
+        );
+        assert!((time.low - 0.0158).abs() < 1e-9, "{time:?}");
+        assert!(time.holds(0.0240), "{time:?}");
+        // In fp32 its GPU worked 13.2 and 22.9 ms of 18.4 and 25.4: not host-bound; the work's
+        // line (42.3 ms) is the point, and the step took 44.6 ms. (Past the trials' batch, a
+        // range up to the larger one's step in proportion, as before.)
+        let trials = [(0.0184, 0.0132), (0.0254, 0.0229)];
+        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
+            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
+        }
+        let prediction = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        let time = prediction.step_time;
+        assert!(!time.host_bound && time.holds(0.0446), "{time:?}");
+        assert!(
+            (prediction.step_seconds - 0.0423).abs() < 1e-4,
+            "{prediction:?}"
+        );
+    }
+
+    #[test]
     fn the_gpus_work_sets_the_point_where_launch_bound_trials_hide_it() {
         // Launch-bound trials as min_gpt's on the H200 (about 38 ms at 16 and 32, 74 ms at
         // 128): the wall times' line stays at 38 ms. The GPU's work in their profiled steps is
-        // made up here (not yet measured on a GPU): 9 and 18 ms, 72 ms at 128 on its line.
+        // made up here, in round numbers: 9 and 18 ms, 72 ms at 128 on its line.
         let mut calibration = calibrated(&[16, 32]);
         for (_, m) in calibration.points.iter_mut() {
             m.step_seconds = 0.038;

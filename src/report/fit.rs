@@ -293,6 +293,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "step_seconds_low": step_time.low,
             "step_seconds_high": step_time.high,
             "launch_bound": step_time.launch_bound,
+            "host_bound": step_time.host_bound,
             "predicted_gpu_busy_seconds": step_time.gpu_work,
             "micro_batch": view.prediction.micro_batch,
             "categories": categories,
@@ -321,6 +322,11 @@ fn prediction_lines(prediction: &Prediction) -> String {
         ": launch-bound at the calibration batches (their steps barely grew with the batch): \
          from their fastest step to time in proportion to the batch, where the work may take \
          over"
+    } else if step_time.host_bound {
+        ": bound by the host at the calibration batches (their GPU was idle for over a third of \
+         their fastest steps: launches and the loop's own CPU work set their time, which does \
+         not follow the batch): from their fastest step to time in proportion to the batch, \
+         where the work may take over"
     } else if step_time.past_the_trials {
         ": a range, up to the larger calibration trial's step in proportion to the batch: past \
          the calibration batches their line keeps the small steps' fixed costs, such as kernel \
@@ -801,6 +807,7 @@ mod tests {
         assert!(html.contains("capacity 1.0 GiB"), "{html}");
         assert!(html.contains("<svg"));
         assert_eq!(display.data[ESTIMATE_MIME]["fits"], true);
+        assert_eq!(display.data[ESTIMATE_MIME]["host_bound"], false);
         assert_eq!(
             display.data[ESTIMATE_MIME]["peak_reserved_low"],
             Value::Null
@@ -894,6 +901,7 @@ mod tests {
                 low: 0.030,
                 high: 0.060,
                 launch_bound: true,
+                host_bound: false,
                 past_the_trials: false,
                 gpu_work: None,
             },
@@ -903,6 +911,21 @@ mod tests {
         let summary = fit_summary(&[(candidate(&ranged_step), trial.clone())], 1 << 40, 0);
         let text = summary.data["text/plain"].as_str().unwrap();
         assert!(text.contains("30.0-60.0 ms"), "{text}");
+        // Host-bound trials say why their line gives no number.
+        let host_bound = Prediction {
+            step_time: crate::fit::estimate::StepTime {
+                launch_bound: false,
+                host_bound: true,
+                ..ranged_step.step_time
+            },
+            ..ranged_step.clone()
+        };
+        let text = prediction_lines(&host_bound);
+        assert!(
+            text.contains("30.0-60.0 ms") && text.contains("bound by the host"),
+            "{text}"
+        );
+        assert!(!prediction_lines(&ranged_step).contains("bound by the host"));
 
         // A range from the allocator's rules says which of their reasons made it.
         for (source, why) in [
