@@ -2,23 +2,35 @@
 model x configuration checked more than once, the measured step (stable or not from run to run)
 beside the predicted point and range, and how many points are within 20% where the step is at
 least 20 ms (issue 20's goal); and of the estimates whose trials profiled the GPU's work
-(`predicted_gpu_busy_seconds`, from 2026-12-05), the same count apart.
+(`predicted_gpu_busy_seconds`, from 2026-12-05), the same count apart, and split by whether
+their trials were bound by the host (every trial's step in the table over 1.5x its GPU's work).
 
-    python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[34]-*/
+    python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[345]-*/
 """
 import collections
 import glob
 import json
-import statistics
+import re
 import sys
 
 ESTIMATE = "application/vnd.tchmem.estimate+json"
+# A calibration trial's row in the estimate's text: "... 18.4 ms (GPU 13.2) ...".
+TRIAL_STEP = re.compile(r"calibration\s.*?([\d.]+) ms \(GPU ([\d.]+)\)")
+HOST_BOUND_RATIO = 1.5
+
+
+def host_bound(text):
+    """Whether every calibration trial in the estimate's text took over 1.5x its GPU's work
+    (None where the trials profiled none)."""
+    trials = [(float(wall), float(work)) for wall, work in TRIAL_STEP.findall(text)]
+    return all(wall > HOST_BOUND_RATIO * work for wall, work in trials) if trials else None
 
 
 def checks(notebook):
-    """(configuration, predicted point, low, high, measured, GPU work or None), in ms, of each
-    checked estimate."""
+    """(configuration, predicted point, low, high, measured, GPU work or None, host-bound or
+    None), in ms, of each checked estimate."""
     for cell in json.load(open(notebook))["cells"]:
+        text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", []))
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
             if e and e.get("measured_step_seconds"):
@@ -27,7 +39,8 @@ def checks(notebook):
                        e.get("step_seconds_high", e["step_seconds"]) * 1e3,
                        e["measured_step_seconds"] * 1e3,
                        e["predicted_gpu_busy_seconds"] * 1e3
-                       if e.get("predicted_gpu_busy_seconds") else None)
+                       if e.get("predicted_gpu_busy_seconds") else None,
+                       host_bound(text))
 
 
 def within(checks):
@@ -40,8 +53,8 @@ def main(folders):
     for folder in folders:
         for notebook in sorted(glob.glob(f"{folder.rstrip('/')}/**/*.ipynb", recursive=True)):
             model = notebook.rsplit("/", 1)[-1].split(".")[0]
-            for what, point, low, high, measured, work in checks(notebook):
-                by[(model, what)].append((point, low, high, measured, work))
+            for what, *check in checks(notebook):
+                by[(model, what)].append(tuple(check))
     long = [c for runs in by.values() for c in runs if c[3] >= 20]
     in_range = sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in long)
     print(f"{sum(map(len, by.values()))} checks; {len(long)} with a measured step >= 20 ms: "
@@ -53,6 +66,10 @@ def main(folders):
         print(f"  of them with the GPU's work profiled: {len(profiled)}, point within 20% in "
               f"{within(profiled)}; the work set the point in {len(set_by_work)}, within 20% in "
               f"{within(set_by_work)}")
+        for bound, name in ((True, "bound by the host"), (False, "bound by the GPU's work")):
+            part = [c for c in profiled if c[5] is bound]
+            print(f"  trials {name}: {len(part)}, point within 20% in {within(part)}, measured "
+                  f"within the stated range in {sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in part)}")
     print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
           f"{'predicted points':>17} {'spread':>7}")
     for (model, what), runs in sorted(by.items()):
