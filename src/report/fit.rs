@@ -318,15 +318,16 @@ pub fn estimate_display(view: &EstimateView) -> Display {
 fn prediction_lines(prediction: &Prediction) -> String {
     let step_time = &prediction.step_time;
     let predicted_step = step_time.describe(prediction.step_seconds);
-    let why_range = if step_time.launch_bound {
+    let why_range = if step_time.host_bound {
+        ": bound by the host at the calibration batches (their GPU was idle for over a third of \
+         their fastest steps: launches and the loop's own CPU work set their time, which does \
+         not follow the batch): the GPU's work here plus the least time a trial's GPU sat \
+         idle; from their fastest step (or the work, if more) up to their slowest steps' line \
+         or time in proportion to the batch, where the work may take over"
+    } else if step_time.launch_bound {
         ": launch-bound at the calibration batches (their steps barely grew with the batch): \
          from their fastest step to time in proportion to the batch, where the work may take \
          over"
-    } else if step_time.host_bound {
-        ": bound by the host at the calibration batches (their GPU was idle for over a third of \
-         their fastest steps: launches and the loop's own CPU work set their time, which does \
-         not follow the batch): from their fastest step to time in proportion to the batch, \
-         where the work may take over"
     } else if step_time.past_the_trials {
         ": a range, up to the larger calibration trial's step in proportion to the batch: past \
          the calibration batches their line keeps the small steps' fixed costs, such as kernel \
@@ -922,7 +923,7 @@ mod tests {
         };
         let text = prediction_lines(&host_bound);
         assert!(
-            text.contains("30.0-60.0 ms") && text.contains("bound by the host"),
+            text.contains("30.0 ms (30.0-60.0 ms)") && text.contains("bound by the host"),
             "{text}"
         );
         assert!(!prediction_lines(&ranged_step).contains("bound by the host"));
