@@ -11,28 +11,43 @@ import collections
 import glob
 import json
 import re
+import statistics
 import sys
 
 ESTIMATE = "application/vnd.tchmem.estimate+json"
-# A calibration trial's row in the estimate's text: "... 18.4 ms (GPU 13.2) ...".
-TRIAL_STEP = re.compile(r"calibration\s.*?([\d.]+) ms \(GPU ([\d.]+)\)")
+# A calibration trial's row in the estimate's text: "1  8  as written  calibration ... 18.4 ms
+# (GPU 13.2) ...".
+TRIAL_STEP = re.compile(r"^\d+\s+(\d+)\s.*?calibration\s.*?([\d.]+) ms \(GPU ([\d.]+)\)", re.M)
 HOST_BOUND_RATIO = 1.5
 
 
-def host_bound(text):
-    """Whether every calibration trial in the estimate's text took over 1.5x its GPU's work
-    (None where the trials profiled none)."""
-    trials = [(float(wall), float(work)) for wall, work in TRIAL_STEP.findall(text)]
-    return all(wall > HOST_BOUND_RATIO * work for wall, work in trials) if trials else None
+def trial_steps(text):
+    """(batch, step, GPU work) in ms of each calibration trial in the estimate's text."""
+    return [(int(b), float(wall), float(work)) for b, wall, work in TRIAL_STEP.findall(text)]
+
+
+def host_bound(trials):
+    """Whether every trial took over 1.5x its GPU's work (None where none profiled it)."""
+    return all(wall > HOST_BOUND_RATIO * work for _, wall, work in trials) if trials else None
+
+
+def host_bound_point(trials, micro, accumulate):
+    """The kernel's point for host-bound trials (src/fit/estimate.rs, host_bound_step), from the
+    table's steps: the work's line at the batch plus the least idle time, per micro-batch."""
+    (b1, _, g1), (b2, _, g2) = trials[0], trials[-1]
+    work = g1 + (g2 - g1) / (b2 - b1) * (micro - b1) if b2 != b1 else g2 * micro / b2
+    return (work + min(wall - busy for _, wall, busy in trials)) * accumulate
 
 
 def checks(notebook):
     """(configuration, predicted point, low, high, measured, GPU work or None, host-bound or
-    None), in ms, of each checked estimate."""
+    None, the host-bound point from the trials' table or None), in ms, of each checked
+    estimate."""
     for cell in json.load(open(notebook))["cells"]:
-        text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", []))
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
+            trials = trial_steps("".join(output.get("data", {}).get("text/plain", "")))
+            accumulate = re.search(r"--accumulate (\d+)", e["what"]) if e else None
             if e and e.get("measured_step_seconds"):
                 yield (e["what"], e["step_seconds"] * 1e3,
                        e.get("step_seconds_low", e["step_seconds"]) * 1e3,
@@ -40,7 +55,9 @@ def checks(notebook):
                        e["measured_step_seconds"] * 1e3,
                        e["predicted_gpu_busy_seconds"] * 1e3
                        if e.get("predicted_gpu_busy_seconds") else None,
-                       host_bound(text))
+                       host_bound(trials),
+                       host_bound_point(trials, e["micro_batch"], int(accumulate[1]) if accumulate else 1)
+                       if host_bound(trials) else None)
 
 
 def within(checks):
@@ -70,6 +87,12 @@ def main(folders):
             part = [c for c in profiled if c[5] is bound]
             print(f"  trials {name}: {len(part)}, point within 20% in {within(part)}, measured "
                   f"within the stated range in {sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in part)}")
+    hosted = [c for runs in by.values() for c in runs if c[6] is not None]
+    if hosted:
+        error = lambda point, c: abs(point / c[3] - 1)
+        print(f"  all {len(hosted)} host-bound checks (any step): median error of the point "
+              f"{statistics.median(error(c[0], c) for c in hosted):.0%}, of the work plus the least "
+              f"idle time from their table {statistics.median(error(c[6], c) for c in hosted):.0%}")
     print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
           f"{'predicted points':>17} {'spread':>7}")
     for (model, what), runs in sorted(by.items()):
