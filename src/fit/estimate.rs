@@ -1111,6 +1111,13 @@ pub(crate) mod tests {
         }
     }
 
+    /// Sets each trial's steps (all alike) and its GPU's work: `(wall, work)` in seconds.
+    fn profile_trials(calibration: &mut Calibration, trials: [(f64, f64); 2]) {
+        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
+            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
+        }
+    }
+
     #[test]
     fn host_bound_trials_give_the_work_plus_their_idle_time_and_a_range() {
         // tied_gpt on the H200 (results/gpu/2026-12-05-busy-time): in bf16 its trials took
@@ -1119,9 +1126,7 @@ pub(crate) mod tests {
         // ms) plus the least idle time of a trial (11.5 ms): 23.3 ms.
         let mut calibration = calibrated(&[8, 16]);
         let trials = [(0.0158, 0.0043), (0.0304, 0.0068)];
-        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
-            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
-        }
+        profile_trials(&mut calibration, trials);
         let prediction = calibration
             .predict(&scenario(32, 1, OptimizerRule::Adam))
             .unwrap();
@@ -1157,9 +1162,7 @@ pub(crate) mod tests {
         // Host-bound and launch-bound at once (steps that barely grew, mnist_conv's: 3.1 and
         // 3.2 ms at 64 and 128 for 0.4 and 0.5 ms of work): the host's reading wins.
         let trials = [(0.0031, 0.0004), (0.0032, 0.0005)];
-        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
-            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
-        }
+        profile_trials(&mut calibration, trials);
         let time = calibration
             .predict(&scenario(32, 1, OptimizerRule::Adam))
             .unwrap()
@@ -1170,9 +1173,7 @@ pub(crate) mod tests {
         // line (42.3 ms) is the point, and the step took 44.6 ms. (Past the trials' batch, a
         // range up to the larger one's step in proportion, as before.)
         let trials = [(0.0184, 0.0132), (0.0254, 0.0229)];
-        for ((_, m), (wall, work)) in calibration.points.iter_mut().zip(trials) {
-            (m.step_seconds, m.step_range, m.gpu_busy_seconds) = (wall, (wall, wall), Some(work));
-        }
+        profile_trials(&mut calibration, trials);
         let prediction = calibration
             .predict(&scenario(32, 1, OptimizerRule::Adam))
             .unwrap();

@@ -46,23 +46,29 @@ def checks(notebook):
     for cell in json.load(open(notebook))["cells"]:
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
-            trials = trial_steps("".join(output.get("data", {}).get("text/plain", "")))
-            accumulate = re.search(r"--accumulate (\d+)", e["what"]) if e else None
             if e and e.get("measured_step_seconds"):
+                trials = trial_steps("".join(output["data"].get("text/plain", "")))
+                bound = host_bound(trials)
+                accumulate = re.search(r"--accumulate (\d+)", e["what"])
                 yield (e["what"], e["step_seconds"] * 1e3,
                        e.get("step_seconds_low", e["step_seconds"]) * 1e3,
                        e.get("step_seconds_high", e["step_seconds"]) * 1e3,
                        e["measured_step_seconds"] * 1e3,
                        e["predicted_gpu_busy_seconds"] * 1e3
                        if e.get("predicted_gpu_busy_seconds") else None,
-                       host_bound(trials),
+                       bound,
                        host_bound_point(trials, e["micro_batch"], int(accumulate[1]) if accumulate else 1)
-                       if host_bound(trials) else None)
+                       if bound else None)
 
 
 def within(checks):
     """How many of `checks` have their predicted point within 20% of the measured step."""
     return sum(abs(c[0] / c[3] - 1) <= 0.2 for c in checks)
+
+
+def held(checks):
+    """How many of `checks` have the measured step within the stated range (a tenth of slack)."""
+    return sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in checks)
 
 
 def main(folders):
@@ -73,10 +79,9 @@ def main(folders):
             for what, *check in checks(notebook):
                 by[(model, what)].append(tuple(check))
     long = [c for runs in by.values() for c in runs if c[3] >= 20]
-    in_range = sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in long)
     print(f"{sum(map(len, by.values()))} checks; {len(long)} with a measured step >= 20 ms: "
           f"point within 20% in {within(long)}, measured within the stated range (a tenth of slack) "
-          f"in {in_range}")
+          f"in {held(long)}")
     profiled = [c for c in long if c[4] is not None]
     if profiled:
         set_by_work = [c for c in profiled if c[4] >= c[0] * 0.999]
@@ -86,7 +91,7 @@ def main(folders):
         for bound, name in ((True, "bound by the host"), (False, "bound by the GPU's work")):
             part = [c for c in profiled if c[5] is bound]
             print(f"  trials {name}: {len(part)}, point within 20% in {within(part)}, measured "
-                  f"within the stated range in {sum(c[1] * 0.9 <= c[3] <= c[2] * 1.1 for c in part)}")
+                  f"within the stated range in {held(part)}")
     hosted = [c for runs in by.values() for c in runs if c[6] is not None]
     if hosted:
         error = lambda point, c: abs(point / c[3] - 1)
