@@ -1,6 +1,9 @@
 """tch code as tch users write it (the style of tch-rs's examples and docs), pasted into cells of a
 real kernel: it compiles and runs as it would in a `main.rs` of edition 2021."""
 
+import platform
+
+import pytest
 from conftest import execute, outputs, result_text, stream_text
 
 # A model part the way tch-rs's examples build them: a function taking `&nn::Path` and returning
@@ -135,6 +138,23 @@ def test_closures_bound_at_a_cells_top_level_are_kept_for_later_cells(kernel):
     reply, _ = execute(kc, "let unknown = |x| x;")
     assert reply["status"] == "error"
     assert "explicit type" in "\n".join(reply["traceback"]), reply
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 intrinsics")
+def test_a_variable_of_a_type_the_cell_has_not_imported_is_typed_imported_and_kept(kernel):
+    """The code analysis is not shown `std::arch` (src/session/analysis_std.rs: it halves the
+    start's reading of core), so it cannot type a variable holding an intrinsic's value: the
+    compiler names `__m128i`, which the cell has not imported; the kernel imports it as rustc
+    suggests, says so, and a later cell uses the variable."""
+    _, kc = kernel
+    reply, messages = execute(kc, "let lanes = unsafe { std::arch::x86_64::_mm_set1_epi32(7) };")
+    assert reply["status"] == "ok", reply
+    stderr = stream_text(messages, "stderr")
+    assert "the compiler names `lanes: __m128i`" in stderr, stderr
+    assert "imported `std::arch::x86_64::__m128i`" in stderr, stderr
+    reply, messages = execute(kc, "unsafe { std::arch::x86_64::_mm_cvtsi128_si32(lanes) }")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "7"
 
 
 # The exploratory pattern: the batch in one cell, the model and its optimizer in the next, the

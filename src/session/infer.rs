@@ -86,6 +86,45 @@ pub fn found_type(rendered: &str) -> Option<String> {
     writable.then(|| found.to_string())
 }
 
+/// The import rustc suggests for a type it cannot find (the type the compiler named for a
+/// variable may be one the cell has not imported): its one candidate, or among several the one
+/// from std. `None` for any other error.
+pub fn suggested_import(rendered: &str) -> Option<String> {
+    let rendered = without_colours(rendered);
+    if !rendered.contains("cannot find type `") {
+        return None;
+    }
+    // rustc shows each candidate as an added line: `1 + use std::collections::VecDeque;`.
+    let candidates: Vec<&str> = rendered
+        .lines()
+        .filter_map(|line| line.split_once("+ use ")?.1.trim().strip_suffix(';'))
+        .collect();
+    let from_std: Vec<&str> = candidates
+        .iter()
+        .copied()
+        .filter(|path| path.starts_with("std::"))
+        .collect();
+    match (candidates.as_slice(), from_std.as_slice()) {
+        ([one], _) | (_, [one]) => Some(one.to_string()),
+        _ => None,
+    }
+}
+
+/// `text` without its ANSI colour sequences (evcxr asks rustc for coloured renderings).
+fn without_colours(text: &str) -> String {
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC [ parameters, ended by a letter.
+            chars.by_ref().find(|c| c.is_ascii_alphabetic());
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
 /// The cell with `: T` after each pattern.
 pub fn annotate(code: &str, lets: &[Untyped], types: &[String]) -> String {
     let mut annotated = code.to_string();
@@ -97,7 +136,9 @@ pub fn annotate(code: &str, lets: &[Untyped], types: &[String]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{annotate, found_type, probe_cell, unknown_variable, untyped_lets};
+    use super::{
+        annotate, found_type, probe_cell, suggested_import, unknown_variable, untyped_lets,
+    };
 
     #[test]
     fn finds_the_variable_evcxr_could_not_type() {
@@ -136,5 +177,36 @@ mod tests {
             found_type("expected `()`, found `{closure@src/lib.rs:3:9}`"),
             None
         );
+    }
+
+    #[test]
+    fn the_import_rustc_suggests_for_a_type_it_cannot_find_is_read() {
+        // As rustc 1.95 renders them.
+        let one = "error[E0425]: cannot find type `__m128i` in this scope\n --> src/lib.rs:1:21\n\
+                   help: consider importing this struct\n  |\n1 + use std::arch::x86_64::__m128i;\n  |\n";
+        assert_eq!(
+            suggested_import(one).as_deref(),
+            Some("std::arch::x86_64::__m128i")
+        );
+        let several = "error[E0425]: cannot find type `HashMap` in this scope\n\
+                       help: consider importing one of these items\n  |\n\
+                       1 + use hashbrown::HashMap;\n  |\n1 + use std::collections::HashMap;\n";
+        assert_eq!(
+            suggested_import(several).as_deref(),
+            Some("std::collections::HashMap")
+        );
+        let coloured = "\u{1b}[0m\u{1b}[1m\u{1b}[38;5;9merror[E0425]\u{1b}[0m\u{1b}[1m: cannot find \
+                        type `VecDeque` in this scope\u{1b}[0m\n\u{1b}[0m\u{1b}[1m\u{1b}[38;5;12m1\
+                        \u{1b}[0m\u{1b}[0m \u{1b}[0m\u{1b}[0m\u{1b}[38;5;10m+ use std::collections::\
+                        VecDeque;\u{1b}[0m\n";
+        assert_eq!(
+            suggested_import(coloured).as_deref(),
+            Some("std::collections::VecDeque")
+        );
+        let ambiguous = "error[E0425]: cannot find type `Linear` in this scope\n\
+                         1 + use a::Linear;\n1 + use b::Linear;\n";
+        assert_eq!(suggested_import(ambiguous), None);
+        let other = "error[E0308]: mismatched types\n1 + use std::fmt::Debug;\n";
+        assert_eq!(suggested_import(other), None);
     }
 }

@@ -96,8 +96,7 @@ fn typed_by_compiler(
         StreamName::Stderr,
         format!(
             "tchmem: the code analysis could not tell the type of `{variable}`; the compiler \
-             names {}, so the cell runs with that written out (a type the cell has not \
-             imported needs a `use`, or write the type yourself)\n",
+             names {}, so the cell runs with that written out\n",
             lets.iter()
                 .zip(&types)
                 .map(|(l, t)| format!("`{}: {t}`", l.probe))
@@ -160,6 +159,47 @@ fn closure_boxed(
         ),
     ));
     Some(closures::boxed(code, &found, &signature, callable))
+}
+
+/// A cell the kernel rewrote (types written out, a value boxed) whose compile failed only on
+/// types it has not imported: with the imports rustc suggests at its head, after telling the
+/// user; `None` otherwise.
+fn imported_types(
+    result: &Result<evcxr::EvalOutputs, evcxr::Error>,
+    code: &str,
+    output: &OutputSink,
+) -> Option<String> {
+    let Err(evcxr::Error::CompilationErrors(errors)) = result else {
+        return None;
+    };
+    // evcxr adds an error of its own, without a rendering, where the cell's failed.
+    let mut imports: Vec<String> = errors
+        .iter()
+        .map(|error| error.rendered())
+        .filter(|rendered| !rendered.is_empty())
+        .map(|rendered| infer::suggested_import(&rendered))
+        .collect::<Option<_>>()?;
+    imports.sort();
+    imports.dedup();
+    if imports.is_empty() {
+        return None;
+    }
+    let lines: String = imports
+        .iter()
+        .map(|path| format!("use {path};\n"))
+        .collect();
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: imported {} for the types written out, as the compiler suggests\n",
+            imports
+                .iter()
+                .map(|path| format!("`{path}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    ));
+    Some(format!("{lines}{code}"))
 }
 
 /// How many times a cell is run again with a variable evcxr cannot keep typed or boxed (one
@@ -366,10 +406,14 @@ impl Session {
             let retried = typed_by_compiler(context, &compiled, message, &io.output)
                 .or_else(|| opaque_boxed(&compiled, message, &io.output))
                 .or_else(|| closure_boxed(context, &compiled, message, &io.output));
-            let Some(retried) = retried else {
+            let Some(mut retried) = retried else {
                 break;
             };
             result = context.execute_with_callbacks(&retried, &mut callbacks);
+            if let Some(imported) = imported_types(&result, &retried, &io.output) {
+                result = context.execute_with_callbacks(&imported, &mut callbacks);
+                retried = imported;
+            }
             compiled = retried.into();
         }
         self.control.set_running(false);
