@@ -141,21 +141,27 @@ impl EngineConfig {
         Ok(path)
     }
 
-    /// The `:dep` lines every session starts with: tch, the runtime, anyhow (tch's examples
-    /// and most tch code return its `Result`), and the one import every cell gets.
+    /// The `:dep` lines every session starts with: tch, anyhow (tch's examples and most tch
+    /// code return its `Result`), the runtime, and the one import every cell gets.
+    ///
+    /// The runtime comes last on purpose: evcxr checks each `:dep` with `cargo metadata` on a
+    /// package of that one dependency, which rewrites the compile slot's Cargo.lock to its
+    /// graph. The runtime's graph holds the others' (tch, tchmem-show, and anyhow through
+    /// torch-sys), so the lock it leaves is whole, and the code analysis and the build that
+    /// follow find nothing to resolve (see `Session::run_prelude`).
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
         Some(format!(
-            ":dep tch = \"={TCH_VERSION}\"\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
-             :dep anyhow = \"{ANYHOW_VERSION}\"\n:dep tchmem-show = {{ path = \"{}\" }}\n\
+            ":dep tch = \"={TCH_VERSION}\"\n:dep anyhow = \"{ANYHOW_VERSION}\"\n\
+             :dep tchmem-show = {{ path = \"{}\" }}\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
              // Build and load everything now rather than in the user's first cell.\n\
              drop(tch::Tensor::from(0i64));\n\
              // A cell ending in a Debug value compiles once; a crate of its own, so that a\n\
              // cell naming nothing of tch does not load and link the runtime (see tchmem-show).\n\
              use tchmem_show::ShowDebugValue as _;\n\
              {}\n",
-            self.runtime_crate.display(),
             self.show_crate().display(),
+            self.runtime_crate.display(),
             self.child_setup()
         ))
     }

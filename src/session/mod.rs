@@ -11,6 +11,7 @@ pub mod control;
 pub mod errors;
 mod infer;
 pub mod loop_checks;
+mod offline;
 mod opaque;
 mod outcome;
 pub mod path_completions;
@@ -39,6 +40,7 @@ pub use streams::{CellOutput, OutputSink, StreamName};
 
 use context::create_context;
 use errors::Termination;
+use offline::{needs_the_network, OFFLINE_OFF, OFFLINE_ON};
 use positions::char_to_byte;
 use streams::StreamPump;
 use tchmem_wire::{CellReport, CELL_REPORT_MIME};
@@ -281,14 +283,7 @@ impl Session {
         }
         if let Some(prelude) = config.prelude() {
             tracing::info!("compiling the prelude (tch {})", TCH_VERSION);
-            let sink: OutputSink = Arc::new(|output| tracing::debug!("prelude: {output:?}"));
-            let outcome = session.run_code(
-                &prelude,
-                CellIo {
-                    output: sink,
-                    input: None,
-                },
-            );
+            let outcome = session.run_prelude(&prelude);
             tracing::info!(
                 "start: the prelude compiled and ran after {:.2} s",
                 started.elapsed().as_secs_f64()
@@ -345,6 +340,34 @@ impl Session {
             "dependencies checked in {:.1} s",
             started.elapsed().as_secs_f64()
         );
+    }
+
+    /// Runs the prelude with cargo offline, then goes back online for the user's cells.
+    ///
+    /// evcxr checks each `:dep` line with `cargo metadata`, which online asks the registry
+    /// about every dependency it has to resolve: 0.4-0.5 s a line on this project's machine
+    /// (results/startup-cpu.txt), for crates that set-up put in cargo's cache and the slot's
+    /// lock. Where the cache lacks one (a start with no set-up, a cleaned cache), cargo says
+    /// so, and the prelude runs again online.
+    fn run_prelude(&mut self, prelude: &str) -> CellOutcome {
+        let io = || CellIo {
+            output: Arc::new(|output| tracing::debug!("prelude: {output:?}")),
+            input: None,
+        };
+        let offline = self.run_code(&format!("{OFFLINE_ON}\n{prelude}"), io());
+        let outcome = match &offline.error {
+            Some(error) if needs_the_network(error) => {
+                tracing::info!("the prelude needs crates cargo has not cached; running it online");
+                self.run_code(prelude, io())
+            }
+            _ => offline,
+        };
+        if let Some((context, _)) = self.context.as_mut() {
+            if let Err(error) = context.execute(OFFLINE_OFF) {
+                tracing::warn!("cargo stays offline for this session's `:dep` lines: {error}");
+            }
+        }
+        outcome
     }
 
     /// Runs Rust code (and evcxr commands) in the context.

@@ -1,0 +1,43 @@
+//! Cargo offline while the prelude runs (see `Session::run_prelude`).
+
+use crate::cell_error::CellError;
+
+/// evcxr's command that puts `--offline` on each cargo command it runs.
+pub const OFFLINE_ON: &str = ":offline 1";
+/// And takes it off again, for the `:dep` lines of the user's cells.
+pub const OFFLINE_OFF: &str = ":offline 0";
+
+/// Whether the prelude failed because cargo, offline, lacked a crate it would have fetched:
+/// cargo's offline failures end with a reminder that it ran with `--offline`.
+pub fn needs_the_network(error: &CellError) -> bool {
+    let offline = |text: &str| text.contains("--offline");
+    offline(&error.evalue) || error.traceback.iter().any(|line| offline(line))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cell_error::ErrorName;
+
+    #[test]
+    fn only_cargos_offline_failures_send_the_prelude_online() {
+        // What cargo 1.95 prints for a crate missing from its cache (evcxr keeps its lines).
+        let missing = CellError {
+            ename: ErrorName::Error,
+            evalue: "no matching package named `not-cached` found".to_string(),
+            traceback: vec![
+                "location searched: crates.io index".to_string(),
+                "As a reminder, you're using offline mode (--offline) which can sometimes cause \
+                 surprising resolution failures, if this error is too confusing you may wish to \
+                 retry without `--offline`."
+                    .to_string(),
+            ],
+        };
+        assert!(needs_the_network(&missing));
+        let compile = CellError::new(
+            ErrorName::CompilationError,
+            "cannot find value `offline` in this scope".to_string(),
+        );
+        assert!(!needs_the_network(&compile));
+    }
+}
