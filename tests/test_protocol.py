@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import json
 import os
+import subprocess
 import tempfile
 import time
 import uuid
@@ -205,6 +206,30 @@ def test_the_first_completion_of_a_new_kernel_has_names_and_signatures():
         types = content["metadata"]["_jupyter_types_experimental"]
         zeros = next(t for t in types if t["text"] == "zeros")
         assert zeros["signature"].startswith("zeros(") and zeros["type"] == "function", zeros
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_a_first_cells_dep_line_reaches_cargo_online(tmp_path):
+    """The prelude runs with cargo offline (src/session/offline.rs), and evcxr writes that into
+    the compile slot's cargo configuration, which its check of a `:dep` line reads. A first cell's
+    `:dep` of a git crate (a local repository: cargo refuses any git checkout offline) is checked
+    and built online."""
+    repo = tmp_path / "tiny"
+    (repo / "src").mkdir(parents=True)
+    (repo / "Cargo.toml").write_text('[package]\nname = "tiny"\nversion = "0.1.0"\nedition = "2021"\n')
+    (repo / "src" / "lib.rs").write_text("pub fn answer() -> i32 { 42 }\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "tiny"]):
+        subprocess.run(git + args, check=True)
+    km, kc = start_new_kernel(kernel_name=KERNEL_NAME, startup_timeout=120)
+    try:
+        reply, messages = execute(
+            kc, f':dep tiny = {{ git = "file://{repo}" }}\ntiny::answer()', timeout=FIRST_CELL_TIMEOUT
+        )
+        assert reply["status"] == "ok", reply
+        assert result_text(messages) == "42"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -15,11 +15,14 @@
 //!   manifest, rust-analyzer takes its own fixed list of the library's crates instead. A cell's
 //!   types and completions are the same (the dependencies are private to std).
 //! - core takes in `core::arch` by path from the library's `stdarch/`: the SIMD intrinsics of
-//!   every architecture, 8 MB of source for x86-64 alone, more than the rest of core. They are
-//!   shown as an empty module: core's part of the first analysis took 1.5 s, 0.75 s without
-//!   them. A cell that keeps an intrinsic's value in a variable of unwritten type then has its
-//!   type told by the compiler instead (`typed_by_compiler`, a second compile), and completion
-//!   does not list `std::arch`; cells compile against the real library as before.
+//!   every architecture, 8 MB of source for x86-64 alone, more than the rest of core. The
+//!   library's `stdarch` links to a folder holding an empty module instead: core's part of the
+//!   first analysis took 2.00-2.18 s with them, 1.21-1.29 s without (results/startup-cpu.txt).
+//!   A cell that keeps an intrinsic's value in a variable of unwritten type then has its type
+//!   told by the compiler (`typed_by_compiler`, and the import rustc suggests), and completion
+//!   does not list `std::arch`; cells compile against the real library as before. (In a
+//!   toolchain whose `std_detect` still lives in `stdarch/`, the analysis does not see that
+//!   either.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -35,6 +38,8 @@ const WORKSPACE_FILES: [&str; 2] = ["Cargo.toml", "Cargo.lock"];
 /// The library's folder that core takes `core::arch` from, and the module it names there.
 const ARCH_FOLDER: &str = "stdarch";
 const ARCH_MODULE: &str = "crates/core_arch/src/mod.rs";
+/// The folder, under the compile slots' root, that the library's `stdarch` links to instead.
+const ARCH_STUB_FOLDER: &str = "analysis-arch-stub";
 /// What the analysis reads as that module: the one name core re-exports from it.
 const ARCH_STUB: &str = "// tchmem: see src/session/analysis_std.rs\npub mod arch {}\n";
 
@@ -69,7 +74,9 @@ impl AnalysisStd {
         let crates_only = toolchain_library(root).and_then(|toolchain| {
             // One folder per toolchain: kernels on different toolchains may share the root.
             let linked = root.join(CRATES_ONLY_LIBRARY).join(folder_name(&toolchain));
-            link_crates(&toolchain, &linked)
+            let arch_stub = root.join(ARCH_STUB_FOLDER);
+            write_arch_stub(&arch_stub)
+                .and_then(|()| link_crates(&toolchain, &linked, &arch_stub))
                 .map_err(|error| {
                     tracing::warn!(
                         "the code analysis reads the standard library's workspace (slower): \
@@ -122,11 +129,11 @@ fn folder_name(toolchain: &Path) -> String {
     format!("{:016x}", hasher.finish())
 }
 
-/// Links every entry of `toolchain` but its workspace files into `linked`, and removes links to
-/// entries the toolchain no longer has. Kernels sharing the compile root may do this at once: a
-/// link already right is kept, a wrong one replaced by a rename (never removed first), so a
-/// reader never finds a crate missing.
-fn link_crates(toolchain: &Path, linked: &Path) -> std::io::Result<()> {
+/// Links every entry of `toolchain` but its workspace files into `linked` (`stdarch` to
+/// `arch_stub`), and removes links to entries the toolchain no longer has. Kernels sharing the
+/// compile root may do this at once: a link already right is kept, a wrong one replaced by a
+/// rename (never removed first), so a reader never finds a crate missing.
+fn link_crates(toolchain: &Path, linked: &Path, arch_stub: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(linked)?;
     let mut names = Vec::new();
     for entry in std::fs::read_dir(toolchain)? {
@@ -134,13 +141,11 @@ fn link_crates(toolchain: &Path, linked: &Path) -> std::io::Result<()> {
         if WORKSPACE_FILES.iter().any(|file| name == *file) {
             continue;
         }
-        let target = toolchain.join(&name);
+        let target = match name == ARCH_FOLDER {
+            true => arch_stub.to_path_buf(),
+            false => toolchain.join(&name),
+        };
         let link = linked.join(&name);
-        if name == ARCH_FOLDER {
-            write_arch_stub(&link)?;
-            names.push(name);
-            continue;
-        }
         names.push(name);
         if std::fs::read_link(&link).is_ok_and(|current| current == target) {
             continue;
@@ -161,26 +166,18 @@ fn link_crates(toolchain: &Path, linked: &Path) -> std::io::Result<()> {
         let name = entry?.file_name();
         // Dot names are other kernels' links on their way in.
         if !name.to_string_lossy().starts_with('.') && !names.contains(&name) {
-            let stale = linked.join(&name);
-            let _ = std::fs::remove_file(&stale).or_else(|_| std::fs::remove_dir_all(&stale));
+            let _ = std::fs::remove_file(linked.join(&name));
         }
     }
     Ok(())
 }
 
-/// Makes `folder` (a link to the toolchain's `stdarch/` in earlier versions) hold the empty
-/// `core::arch` module. Kernels sharing the root may do this at once: the module is written
-/// under a name of this process and renamed into place.
+/// Writes the empty `core::arch` module under `folder` (this process's file renamed into place,
+/// for kernels sharing the root), unless it is there already.
 fn write_arch_stub(folder: &Path) -> std::io::Result<()> {
     let module = folder.join(ARCH_MODULE);
     if std::fs::read_to_string(&module).is_ok_and(|text| text == ARCH_STUB) {
         return Ok(());
-    }
-    if std::fs::symlink_metadata(folder).is_ok_and(|meta| meta.file_type().is_symlink()) {
-        match std::fs::remove_file(folder) {
-            Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
-            _ => {}
-        }
     }
     std::fs::create_dir_all(module.parent().unwrap_or(folder))?;
     let fresh = module.with_extension(format!("rs.{}", std::process::id()));
@@ -202,26 +199,33 @@ mod tests {
             std::fs::write(toolchain.join("Cargo.toml"), "[workspace]\n").unwrap();
             std::fs::write(toolchain.join("Cargo.lock"), "").unwrap();
         }
-        // A folder only the old toolchain has: core's `core::arch`, which is not linked but
-        // written as an empty module (over the link an earlier version made).
+        // A folder only the old toolchain has: core's `core::arch`, linked to the empty
+        // module (over the link to the toolchain's that a kernel of an earlier version made).
         std::fs::create_dir_all(old.join("stdarch/crates/core_arch/src")).unwrap();
         std::fs::create_dir_all(&linked).unwrap();
         std::os::unix::fs::symlink(old.join("stdarch"), linked.join("stdarch")).unwrap();
-        link_crates(&old, &linked).unwrap();
+        let stub = dir.join("stub");
+        write_arch_stub(&stub).unwrap();
+        write_arch_stub(&stub).unwrap();
+        link_crates(&old, &linked, &stub).unwrap();
         assert_eq!(
             std::fs::read_link(linked.join("std")).unwrap(),
             old.join("std")
         );
-        assert!(std::fs::read_link(linked.join("stdarch")).is_err());
+        assert_eq!(std::fs::read_link(linked.join("stdarch")).unwrap(), stub);
         assert_eq!(
             std::fs::read_to_string(linked.join("stdarch").join(ARCH_MODULE)).unwrap(),
             ARCH_STUB
         );
         assert!(!old.join("stdarch").join(ARCH_MODULE).exists());
-        link_crates(&old, &linked).unwrap();
+        let stub_files: Vec<_> = std::fs::read_dir(stub.join("crates/core_arch/src"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(stub_files, ["mod.rs"]);
         assert!(!linked.join("Cargo.toml").exists() && !linked.join("Cargo.lock").exists());
         // A new toolchain in the same place: the links follow it, and nothing else is left.
-        link_crates(&new, &linked).unwrap();
+        link_crates(&new, &linked, &stub).unwrap();
         assert_eq!(
             std::fs::read_link(linked.join("core")).unwrap(),
             new.join("core")

@@ -86,14 +86,17 @@ pub fn found_type(rendered: &str) -> Option<String> {
     writable.then(|| found.to_string())
 }
 
-/// The import rustc suggests for a type it cannot find (the type the compiler named for a
-/// variable may be one the cell has not imported): its one candidate, or among several the one
-/// from std. `None` for any other error.
-pub fn suggested_import(rendered: &str) -> Option<String> {
+/// The type rustc cannot find and the import it suggests for it (the type the compiler named
+/// for a variable may be one the cell has not imported): its one candidate, or among several
+/// the one from std. `None` for any other error.
+pub fn suggested_import(rendered: &str) -> Option<(String, String)> {
     let rendered = without_colours(rendered);
-    if !rendered.contains("cannot find type `") {
-        return None;
-    }
+    let name = rendered
+        .split("cannot find type `")
+        .nth(1)?
+        .split('`')
+        .next()?
+        .to_string();
     // rustc shows each candidate as an added line: `1 + use std::collections::VecDeque;`.
     let candidates: Vec<&str> = rendered
         .lines()
@@ -105,12 +108,23 @@ pub fn suggested_import(rendered: &str) -> Option<String> {
         .filter(|path| path.starts_with("std::"))
         .collect();
     match (candidates.as_slice(), from_std.as_slice()) {
-        ([one], _) | (_, [one]) => Some(one.to_string()),
+        ([one], _) | (_, [one]) => Some((name, one.to_string())),
         _ => None,
     }
 }
 
-/// `text` without its ANSI colour sequences (evcxr asks rustc for coloured renderings).
+/// Whether `code` has `name` as a word of its own (not as part of a longer identifier).
+pub fn names(code: &str, name: &str) -> bool {
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    code.match_indices(name).any(|(at, _)| {
+        let before = code[..at].chars().next_back();
+        let after = code[at + name.len()..].chars().next();
+        !before.is_some_and(word) && !after.is_some_and(word)
+    })
+}
+
+/// `text` without its ANSI colour sequences (evcxr asks cargo for coloured renderings:
+/// `--json=diagnostic-rendered-ansi` on rustc's command line).
 fn without_colours(text: &str) -> String {
     let mut plain = String::with_capacity(text.len());
     let mut chars = text.chars();
@@ -137,7 +151,7 @@ pub fn annotate(code: &str, lets: &[Untyped], types: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        annotate, found_type, probe_cell, suggested_import, unknown_variable, untyped_lets,
+        annotate, found_type, names, probe_cell, suggested_import, unknown_variable, untyped_lets,
     };
 
     #[test]
@@ -184,23 +198,24 @@ mod tests {
         // As rustc 1.95 renders them.
         let one = "error[E0425]: cannot find type `__m128i` in this scope\n --> src/lib.rs:1:21\n\
                    help: consider importing this struct\n  |\n1 + use std::arch::x86_64::__m128i;\n  |\n";
+        let found = |rendered| suggested_import(rendered).map(|(_, path)| path);
         assert_eq!(
-            suggested_import(one).as_deref(),
-            Some("std::arch::x86_64::__m128i")
+            suggested_import(one),
+            Some((
+                "__m128i".to_string(),
+                "std::arch::x86_64::__m128i".to_string()
+            ))
         );
         let several = "error[E0425]: cannot find type `HashMap` in this scope\n\
                        help: consider importing one of these items\n  |\n\
                        1 + use hashbrown::HashMap;\n  |\n1 + use std::collections::HashMap;\n";
-        assert_eq!(
-            suggested_import(several).as_deref(),
-            Some("std::collections::HashMap")
-        );
+        assert_eq!(found(several).as_deref(), Some("std::collections::HashMap"));
         let coloured = "\u{1b}[0m\u{1b}[1m\u{1b}[38;5;9merror[E0425]\u{1b}[0m\u{1b}[1m: cannot find \
                         type `VecDeque` in this scope\u{1b}[0m\n\u{1b}[0m\u{1b}[1m\u{1b}[38;5;12m1\
                         \u{1b}[0m\u{1b}[0m \u{1b}[0m\u{1b}[0m\u{1b}[38;5;10m+ use std::collections::\
                         VecDeque;\u{1b}[0m\n";
         assert_eq!(
-            suggested_import(coloured).as_deref(),
+            found(coloured).as_deref(),
             Some("std::collections::VecDeque")
         );
         let ambiguous = "error[E0425]: cannot find type `Linear` in this scope\n\
@@ -208,5 +223,17 @@ mod tests {
         assert_eq!(suggested_import(ambiguous), None);
         let other = "error[E0308]: mismatched types\n1 + use std::fmt::Debug;\n";
         assert_eq!(suggested_import(other), None);
+    }
+
+    #[test]
+    fn a_name_counts_as_written_only_as_a_word_of_its_own() {
+        assert!(names("let y: HashMap<i32, i32> = x;", "HashMap"));
+        assert!(names("HashMap::new()", "HashMap"));
+        assert!(!names("let m = MyHashMap::new();", "HashMap"));
+        assert!(!names(
+            "let lanes = unsafe { _mm_set1_epi32(7) };",
+            "__m128i"
+        ));
+        assert!(!names("let h = HashMapper;", "HashMap"));
     }
 }

@@ -98,7 +98,8 @@ fn typed_by_compiler(
         StreamName::Stderr,
         format!(
             "tchmem: the code analysis could not tell the type of `{variable}`; the compiler \
-             names {}, so the cell runs with that written out\n",
+             names {}, so the cell runs with that written out (a type the cell has not \
+             imported needs a `use`, or write the type yourself)\n",
             lets.iter()
                 .zip(&types)
                 .map(|(l, t)| format!("`{}: {t}`", l.probe))
@@ -163,14 +164,14 @@ fn closure_boxed(
     Some(closures::boxed(code, &found, &signature, callable))
 }
 
-/// A cell the kernel rewrote (types written out, a value boxed) whose compile failed only on
-/// types it has not imported: with the imports rustc suggests at its head, after telling the
-/// user; `None` otherwise.
-fn imported_types(
+/// The imports rustc suggests where a cell the kernel rewrote (types written out, a value
+/// boxed) failed to compile only on types the kernel wrote and the user's cell does not name
+/// (rustc names a type by its shortest path, `__m128i`); `None` otherwise, so that a user's own
+/// missing import stays the user's error.
+fn imports_for_written_types(
     result: &Result<evcxr::EvalOutputs, evcxr::Error>,
-    code: &str,
-    output: &OutputSink,
-) -> Option<String> {
+    user_code: &str,
+) -> Option<Vec<String>> {
     let Err(evcxr::Error::CompilationErrors(errors)) = result else {
         return None;
     };
@@ -179,29 +180,73 @@ fn imported_types(
         .iter()
         .map(|error| error.rendered())
         .filter(|rendered| !rendered.is_empty())
-        .map(|rendered| infer::suggested_import(&rendered))
+        .map(|rendered| {
+            let (name, path) = infer::suggested_import(&rendered)?;
+            (!infer::names(user_code, &name)).then_some(path)
+        })
         .collect::<Option<_>>()?;
     imports.sort();
     imports.dedup();
-    if imports.is_empty() {
-        return None;
-    }
+    (!imports.is_empty()).then_some(imports)
+}
+
+/// Adds `imports` to the session as a cell of their own (evcxr keeps `use` items for later
+/// cells), so that the cell that needs them runs again unchanged and its errors keep their
+/// lines; tells the user. Whether they compiled.
+fn import(context: &mut CommandContext, imports: &[String], output: &OutputSink) -> bool {
     let lines: String = imports
         .iter()
         .map(|path| format!("use {path};\n"))
         .collect();
+    if let Err(error) = context.execute(&lines) {
+        tracing::debug!("the suggested imports did not compile: {error}");
+        return false;
+    }
+    let named: Vec<String> = imports.iter().map(|path| format!("`{path}`")).collect();
     output(CellOutput::Stream(
         StreamName::Stderr,
         format!(
             "tchmem: imported {} for the types written out, as the compiler suggests\n",
-            imports
-                .iter()
-                .map(|path| format!("`{path}`"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            named.join(", ")
         ),
     ));
-    Some(format!("{lines}{code}"))
+    true
+}
+
+/// Runs the cell again while evcxr cannot keep one of its variables: with the variable's type
+/// as the compiler names it, or the variable boxed (one variable per round). `code` is the
+/// user's cell; the cell last compiled (what compile errors point into) comes back with the
+/// result.
+fn keep_variables<'a>(
+    context: &mut CommandContext,
+    code: &str,
+    mut compiled: std::borrow::Cow<'a, str>,
+    mut result: Result<evcxr::EvalOutputs, evcxr::Error>,
+    callbacks: &mut EvalCallbacks,
+    output: &OutputSink,
+) -> (
+    Result<evcxr::EvalOutputs, evcxr::Error>,
+    std::borrow::Cow<'a, str>,
+) {
+    for _ in 0..MAX_KEEP_ROUNDS {
+        let Err(evcxr::Error::Message(message)) = &result else {
+            break;
+        };
+        let retried = typed_by_compiler(context, &compiled, message, output)
+            .or_else(|| opaque_boxed(&compiled, message, output))
+            .or_else(|| closure_boxed(context, &compiled, message, output));
+        let Some(retried) = retried else {
+            break;
+        };
+        result = context.execute_with_callbacks(&retried, callbacks);
+        if let Some(imports) = imports_for_written_types(&result, code) {
+            if import(context, &imports, output) {
+                result = context.execute_with_callbacks(&retried, callbacks);
+            }
+        }
+        compiled = retried.into();
+    }
+    (result, compiled)
 }
 
 /// How many times a cell is run again with a variable evcxr cannot keep typed or boxed (one
@@ -358,16 +403,26 @@ impl Session {
         let outcome = match &offline.error {
             Some(error) if needs_the_network(error) => {
                 tracing::info!("the prelude needs crates cargo has not cached; running it online");
+                self.back_online();
                 self.run_code(prelude, io())
             }
             _ => offline,
         };
+        self.back_online();
+        outcome
+    }
+
+    /// Cargo online again: in evcxr's settings and in the slot's cargo configuration, which
+    /// evcxr would otherwise leave offline until the next compile.
+    fn back_online(&mut self) {
         if let Some((context, _)) = self.context.as_mut() {
             if let Err(error) = context.execute(OFFLINE_OFF) {
                 tracing::warn!("cargo stays offline for this session's `:dep` lines: {error}");
             }
         }
-        outcome
+        if let Err(error) = offline::write_online(&self.workdir) {
+            tracing::warn!("cargo may check the first `:dep` line offline: {error}");
+        }
     }
 
     /// Runs Rust code (and evcxr commands) in the context.
@@ -422,23 +477,8 @@ impl Session {
         }
         tracing::debug!("evcxr compiled and ran the cell in {:?}", started.elapsed());
         // The code compile errors point into: the cell, or the cell with types written out.
-        for _ in 0..MAX_KEEP_ROUNDS {
-            let Err(evcxr::Error::Message(message)) = &result else {
-                break;
-            };
-            let retried = typed_by_compiler(context, &compiled, message, &io.output)
-                .or_else(|| opaque_boxed(&compiled, message, &io.output))
-                .or_else(|| closure_boxed(context, &compiled, message, &io.output));
-            let Some(mut retried) = retried else {
-                break;
-            };
-            result = context.execute_with_callbacks(&retried, &mut callbacks);
-            if let Some(imported) = imported_types(&result, &retried, &io.output) {
-                result = context.execute_with_callbacks(&imported, &mut callbacks);
-                retried = imported;
-            }
-            compiled = retried.into();
-        }
+        let (result, compiled) =
+            keep_variables(context, code, compiled, result, &mut callbacks, &io.output);
         self.control.set_running(false);
         // A crash, an interrupt, or evcxr's :restart / :clear: a new child needs setting up.
         if self.control.child_pid() != child_before {
