@@ -115,17 +115,13 @@ pub fn suggested_import(rendered: &str) -> Option<(String, String)> {
 
 /// Whether `code` has `name` as a word of its own (not as part of a longer identifier).
 pub fn names(code: &str, name: &str) -> bool {
-    let word = |c: char| c.is_alphanumeric() || c == '_';
-    code.match_indices(name).any(|(at, _)| {
-        let before = code[..at].chars().next_back();
-        let after = code[at + name.len()..].chars().next();
-        !before.is_some_and(word) && !after.is_some_and(word)
-    })
+    code.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .any(|word| word == name)
 }
 
 /// `text` without its ANSI colour sequences (evcxr asks cargo for coloured renderings:
 /// `--json=diagnostic-rendered-ansi` on rustc's command line).
-fn without_colours(text: &str) -> String {
+pub(super) fn without_colours(text: &str) -> String {
     let mut plain = String::with_capacity(text.len());
     let mut chars = text.chars();
     while let Some(c) = chars.next() {

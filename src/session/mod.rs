@@ -195,16 +195,14 @@ impl Session {
             input: None,
         };
         let offline = self.run_code(&format!("{OFFLINE_ON}\n{prelude}"), io());
-        let outcome = match &offline.error {
+        self.back_online();
+        match &offline.error {
             Some(error) if needs_the_network(error) => {
                 tracing::info!("the prelude needs crates cargo has not cached; running it online");
-                self.back_online();
                 self.run_code(prelude, io())
             }
             _ => offline,
-        };
-        self.back_online();
-        outcome
+        }
     }
 
     /// Cargo online again: in evcxr's settings and in the slot's cargo configuration, which
