@@ -10,9 +10,15 @@ Models: tch::vision's resnet18 on 64x64 images with SGD + momentum (`conv_peaks.
 VGG-style net with BatchNorm and AdamW on 64x64, and its GRU (embedding 32, hidden 1024, 256
 steps, 65 tokens, Adam, gradients clipped) at the sizes `corpus-notebooks --estimates` writes.
 
+With `--accumulate K` each step runs as `%%optimize --accumulate K` rewrites it: `zero_grad`,
+then K micro-batches' forward and backward (each loss weighted by its share), then the step.
+
 Usage: python alloc_traces.py OUT_DIR [--models resnet18,vgg,gru] [--steps 4] [--passes 2]
-       [--amp] [--vgg-widths 64,128,256,512] [--cudnn-benchmark]
-Writes OUT_DIR/<model>[-bf16]-<batch>-<pass>.json: {"batch", "begin": {"allocated", "reserved",
+       [--amp] [--vgg-widths 64,128,256,512] [--cudnn-benchmark] [--accumulate K]
+       [--batches 64,128,256]
+Writes OUT_DIR/<model>[-bf16][-accK]-<batch>-<pass>.json: {"batch", "accumulate",
+"parameters": [[dims, element_size], ...] (the trainable ones), "step_begins": the index in
+"events" where the last step begins, "begin": {"allocated", "reserved",
 "segments": [[address, total_size, [[block_size, allocated], ...]], ...]}, "events": [[action,
 address, size], ...] (action: a alloc, f free completed, s segment alloc, S segment free),
 "peak_allocated", "peak_reserved", "stats": the allocator's retries, OOMs, device allocs and
@@ -94,7 +100,7 @@ def segments_now():
     ]
 
 
-def trial(model, batch, steps, amp):
+def trial(model, batch, steps, amp, accumulate=1):
     torch.manual_seed(0)
     net, opt, data, loss_of = make(model)
     batches = [data(batch) for _ in range(steps)]
@@ -108,12 +114,23 @@ def trial(model, batch, steps, amp):
         "segments": segments_now(),
     }
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None, stacks="python")
-    for x, y in batches:
+    raw_step_begins = 0
+    for step, (x, y) in enumerate(batches):
+        if step == len(batches) - 1:
+            raw_step_begins = len(torch.cuda.memory._snapshot()["device_traces"][0])
         x, y = x.cuda(), y.cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = loss_of(net(x), y)
-        opt.zero_grad()
-        loss.backward()
+        if accumulate == 1:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                loss = loss_of(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+        else:
+            opt.zero_grad()
+            for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                    loss = loss_of(net(xs), ys) * (xs.shape[0] / x.shape[0])
+                loss.backward()
+                del xs, ys
         if model == "gru":
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5, foreach=False)
         opt.step()
@@ -123,10 +140,15 @@ def trial(model, batch, steps, amp):
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
     events = [[ACTIONS[e["action"]], e["addr"], e["size"]] for e in trace if e["action"] in ACTIONS]
+    step_begins = sum(1 for e in trace[:raw_step_begins] if e["action"] in ACTIONS)
+    parameters = [[list(p.shape), p.element_size()] for p in net.parameters() if p.requires_grad]
     result = {
         "model": model,
         "amp": amp,
         "batch": batch,
+        "accumulate": accumulate,
+        "parameters": parameters,
+        "step_begins": step_begins,
         "steps": steps,
         "begin": begin,
         "events": events,
@@ -152,6 +174,8 @@ def main():
     ap.add_argument("--amp", action="store_true")
     ap.add_argument("--vgg-widths", default="16,32,64,128", help="64,128,256,512: the corpus's H200 size")
     ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--batches", help="instead of each model's own list")
     args = ap.parse_args()
     global VGG_WIDTHS
     VGG_WIDTHS = tuple(int(w) for w in args.vgg_widths.split(","))
@@ -159,9 +183,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     for model in args.models.split(","):
         for p in range(args.passes):
-            for batch in BATCHES[model]:
-                r = trial(model, batch, args.steps, args.amp)
-                name = f"{model}{'-bf16' if args.amp else ''}-{batch}-{p}.json"
+            batches = [int(b) for b in args.batches.split(",")] if args.batches else BATCHES[model]
+            for batch in batches:
+                r = trial(model, batch, args.steps, args.amp, args.accumulate)
+                acc = f"-acc{args.accumulate}" if args.accumulate > 1 else ""
+                name = f"{model}{'-bf16' if args.amp else ''}{acc}-{batch}-{p}.json"
                 with open(os.path.join(args.out, name), "w") as f:
                     json.dump(r, f, separators=(",", ":"))
                 mib = 1 << 20

@@ -435,6 +435,28 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_allocator_model_on_plain_and_accumulating_h100_trials() {
+        // 28 trials on an H100 (2026-12-05-accumulate/): resnet18, the wide VGG-style net and
+        // the GRU, plain and under `--accumulate 2`. The two orders bracket 26 within 0.7%; the
+        // model misses resnet18 at 512 by 1.0% (both orders under) and the VGG-style net
+        // accumulating at 256 by 7.4-13.4% (both over): the device took neither order there.
+        let mut outside = Vec::new();
+        for name in recorded_in("2026-12-05-accumulate") {
+            let r = recorded_at(&name);
+            let by_order = SegmentOrder::BOTH
+                .map(|order| allocator::peak_reserved(&r.trace.segments, r.trace.decoded(), order));
+            let errors = by_order.map(|bytes| error(bytes, r.peak_reserved));
+            let (low, high) = (errors[0].min(errors[1]), errors[0].max(errors[1]));
+            if low >= 0.007 || high <= -0.007 {
+                outside.push((name.rsplit('/').next().unwrap().to_string(), low, high));
+            }
+        }
+        let names: Vec<&str> = outside.iter().map(|(name, ..)| name.as_str()).collect();
+        assert_eq!(names, ["resnet18-512", "vgg-acc2-256"], "{outside:?}");
+        assert!(outside[0].2 > -0.011 && outside[1].1 < 0.075, "{outside:?}");
+    }
+
+    #[test]
     fn the_segment_order_that_reproduces_the_larger_trial_is_the_one_replayed() {
         // The wide VGG-style net at 128 from its trials at 32 and 64 (the H200): the trial at 64
         // reserved what the model gives with new segments below the old, and so does 128.
@@ -592,5 +614,39 @@ pub(crate) mod tests {
         assert!(
             ReservedLines::of(&[trial(8, conv_step(8, 8)), trial(8, conv_step(8, 8))]).is_none()
         );
+    }
+
+    #[test]
+    fn a_loop_that_accumulates_reserves_what_its_plain_step_at_the_micro_batch_does() {
+        // PyTorch's resnet18, VGG-style net and GRU on an H100 (2026-12-05-accumulate/): each
+        // step as `--accumulate 2` rewrites it, at twice the larger calibration trial's batch.
+        // Replaying the plain trials' requests at the micro-batch gives its peak reserved within
+        // 3.5% in the closer segment order: holding the gradients through the second
+        // micro-batch changes no segment here (the gradients are a few percent of the peak).
+        let dir = "2026-12-05-accumulate/traces";
+        for (model, small, large) in [
+            ("resnet18", 32, 64),
+            ("resnet18", 64, 128),
+            ("resnet18", 128, 256),
+            ("vgg", 32, 64),
+            ("vgg", 64, 128),
+            ("gru", 32, 64),
+            ("gru", 64, 128),
+        ] {
+            let at = |batch: u64| point(&recorded_at(&format!("{dir}/{model}-{batch}")));
+            let points = [at(small), at(large)];
+            let accumulated = recorded_at(&format!("{dir}/{model}-acc2-{}", 2 * large));
+            let lines = ReservedLines::of(&points).unwrap();
+            let (point, other) = lines.peak_reserved(large, None);
+            let closer = [point, other]
+                .map(|bytes| error(bytes, accumulated.peak_reserved).abs())
+                .into_iter()
+                .fold(f64::MAX, f64::min);
+            assert!(
+                closer <= 0.035,
+                "{model} at {small}/{large}: {point} or {other} for {}",
+                accumulated.peak_reserved
+            );
+        }
     }
 }
