@@ -276,7 +276,7 @@ def test_fit_picks_the_fastest_combination_that_fits(gpu):
     reply, messages = execute(gpu, "tchmem::cuda_stats::device_stats(0).unwrap().current.allocated")
     budget = int(result_text(messages)) + (5 << 29)
     reply, messages = execute(gpu, f"%%optimize --fit {budget} --show\n{FIT_LOOP}", timeout=900)
-    assert reply["status"] == "ok", reply
+    assert reply["status"] == "ok", (reply.get("evalue"), stream_or_display_text(messages)[-4000:])
     (summary,) = [d for d in shown(messages, TRIALS_MIME) if "confirmed" in d]
     confirmed = summary["confirmed"]
     fitting = [c for c in confirmed if c["fits"]]

@@ -200,11 +200,13 @@ impl<R: Runner> Cells<R> {
                     Outcome::Ran,
                 ),
         };
-        Ok(Trial {
+        let trial = Trial {
             options: options.clone(),
             batch,
             outcome: result,
-        })
+        };
+        keep_for_study(&trial);
+        Ok(trial)
     }
 
     /// The device's room now (`None` without CUDA).
@@ -270,5 +272,41 @@ impl<R: Runner> Cells<R> {
             gradients_in_backward: options.step_in_backward,
             replayed: None,
         }))
+    }
+}
+
+/// Where `TCHMEM_TRIAL_TRACES` names a folder, each trial that recorded the allocator's events
+/// is written there (`trial-<pid>-<n>.json`, in the form `src/fit/reserved.rs`'s tests read:
+/// batch, rewrites, the bytes it began with and peaked at, the parameters, the trace), so that a
+/// miss on the GPU machine can be studied on a machine without one. Best effort: a failed write
+/// is logged, the trial goes on.
+fn keep_for_study(trial: &Trial) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static WRITTEN: AtomicUsize = AtomicUsize::new(0);
+    let Some(dir) = std::env::var_os("TCHMEM_TRIAL_TRACES") else {
+        return;
+    };
+    let Outcome::Ran(m) = &trial.outcome else {
+        return;
+    };
+    let Some(trace) = &m.allocations else {
+        return;
+    };
+    let json = serde_json::json!({
+        "batch": trial.batch,
+        "rewrites": trial.options.flags(),
+        "begin_allocated": m.begin,
+        "peak_allocated": m.peak_allocated,
+        "peak_reserved": m.peak_reserved,
+        "parameters": m.parameters,
+        "trace": &**trace,
+    });
+    let n = WRITTEN.fetch_add(1, Ordering::Relaxed);
+    let path = std::path::Path::new(&dir).join(format!("trial-{}-{n}.json", std::process::id()));
+    if let Err(error) = std::fs::write(&path, json.to_string()) {
+        tracing::warn!(
+            "could not keep the trial's trace in {}: {error}",
+            path.display()
+        );
     }
 }
