@@ -31,6 +31,9 @@ struct State {
     profiling: bool,
     /// Whether a recording is on now.
     recording: bool,
+    /// When the timed step now running reached its optimizer step's marker (the GPU's work
+    /// before it done).
+    step_marked: Option<Instant>,
     /// While the allocator's events are logged (from the beginning of a run that records its
     /// operators on CUDA to the end of the recorded step): the segments held at the beginning.
     alloc_segments: Option<Vec<tchmem_wire::alloc_trace::Segment>>,
@@ -138,6 +141,7 @@ fn start(steps: usize, record_ops: bool) {
         record_ops,
         profiling: false,
         recording: false,
+        step_marked: None,
         alloc_segments,
     });
 }
@@ -149,6 +153,12 @@ fn start(steps: usize, record_ops: bool) {
 pub(crate) fn at_marker(next: Option<Part>) {
     let mut guard = state();
     let Some(state) = guard.as_mut() else { return };
+    // A timed step's optimizer part starts once the GPU is done with the micro-batches before
+    // it: with accumulation it runs once for several of them.
+    if next == Some(Part::Step) && !state.recording && !state.profiling {
+        synchronize();
+        state.step_marked = Some(Instant::now());
+    }
     let Some(peaks) = state.peaks.as_mut() else {
         return;
     };
@@ -216,6 +226,12 @@ pub fn record_step(loss: &Tensor) -> bool {
         .run
         .step_seconds
         .push(now.duration_since(state.last).as_secs_f64());
+    if let Some(marked) = state.step_marked.take() {
+        state
+            .run
+            .optimizer_step_seconds
+            .push(now.duration_since(marked).as_secs_f64());
+    }
     let done = state.run.losses.len() >= state.run.steps_wanted;
     // The live view under the run shows its step of the steps wanted, and the loss.
     let live = crate::interrupt::run_state();
@@ -321,5 +337,28 @@ mod tests {
         assert_eq!(run.step_seconds.len(), 2);
         assert!(run.ops.is_some_and(|ops| !ops.ops.is_empty()));
         assert_eq!(run.gpu_busy_seconds, None, "no device here");
+        assert!(run.optimizer_step_seconds.is_empty(), "no step marked");
+    }
+
+    #[test]
+    fn a_marked_optimizer_step_is_timed_in_each_timed_step() {
+        let _profile = crate::busy_time::one_profile_at_a_time();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = nn::linear(vs.root(), 4, 1, Default::default());
+        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+        let x = Tensor::randn([32, 4], (Kind::Float, Device::Cpu));
+        start(3, true);
+        for _ in 0..100 {
+            let loss = crate::phase::train_step(&mut opt, || model.forward(&x).mean(Kind::Float));
+            if record_step(&loss) {
+                break;
+            }
+        }
+        let run = finish().0;
+        // The three timed steps, not the recorded or the profiled one; each part of its step.
+        assert_eq!(run.optimizer_step_seconds.len(), 3);
+        for (part, whole) in run.optimizer_step_seconds.iter().zip(&run.step_seconds) {
+            assert!(*part > 0.0 && part <= whole, "{part} of {whole}");
+        }
     }
 }

@@ -456,15 +456,38 @@ impl Calibration {
         from_trace.unwrap_or(own.gradients) as f64
     }
 
-    /// The step time at `micro`-sized micro-batches, `accumulate` of them: the median steps'
-    /// line, and the range (see [`StepTime`]).
+    /// The step time at `micro`-sized micro-batches, `accumulate` of them: a plain step at
+    /// `micro` for each, less the optimizer step the later ones do not repeat (measured in the
+    /// larger trial where the loop marked it; at most the plain step's lower end). On an H100
+    /// `accumulate` plain steps overshot every corpus family's `--accumulate 2` check, by up to
+    /// 51% (char_rnn: 27.0 ms for 17.9 ms; `results/gpu/2026-12-05-accumulate/`).
     fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
+        let (seconds, mut time) = self.micro_step_time(micro);
+        if accumulate == 1 {
+            return (seconds, time);
+        }
+        let once = self
+            .points
+            .last()
+            .and_then(|(_, m)| m.optimizer_step_seconds)
+            .unwrap_or(0.0)
+            .min(time.low);
+        let k = accumulate as f64;
+        let added = |one: f64| k * one - (k - 1.0) * once;
+        time.low = added(time.low);
+        time.high = added(time.high);
+        time.gpu_work = time.gpu_work.map(|work| added(work).max(work));
+        (added(seconds), time)
+    }
+
+    /// The step time at `micro` as the trials ran it (one micro-batch): the median steps'
+    /// line, and the range (see [`StepTime`]).
+    fn micro_step_time(&self, micro: u64) -> (f64, StepTime) {
         let Some((largest_batch, largest)) = self.points.last() else {
             return (0.0, StepTime::default());
         };
         // A step at the larger trial's batch scaled to this one, as if it were all work.
-        let in_proportion =
-            |seconds: f64| seconds * micro as f64 / *largest_batch as f64 * accumulate as f64;
+        let in_proportion = |seconds: f64| seconds * micro as f64 / *largest_batch as f64;
         let seconds_at = |pick: fn(&Measured) -> f64| {
             let points: Vec<(f64, f64)> = self
                 .points
@@ -472,14 +495,13 @@ impl Calibration {
                 .map(|(b, m)| (*b as f64, pick(m)))
                 .collect();
             Line::through(&points, 0.0).map_or(pick(largest), |l| l.value_at(micro as f64))
-                * accumulate as f64
         };
         // No step is faster than the GPU's work in it: launch-bound trials' wall times barely
         // grow with the batch, their GPU's work does (on the H200 min_gpt took 37.7 ms at
         // batches 16 and 32, 74 ms at 128).
-        let gpu_work = self.gpu_work_at(micro).map(|work| work * accumulate as f64);
+        let gpu_work = self.gpu_work_at(micro);
         let slowest_line = seconds_at(|m| m.step_range.1);
-        if let Some(host_bound) = self.host_bound_step(micro, accumulate, gpu_work, slowest_line) {
+        if let Some(host_bound) = self.host_bound_step(micro, gpu_work, slowest_line) {
             return host_bound;
         }
         let seconds = seconds_at(|m| m.step_seconds).max(gpu_work.unwrap_or(0.0));
@@ -497,11 +519,11 @@ impl Calibration {
         // 16, and 14.6 ms at 32): from the smaller trial's fastest step to the line.
         let (low, high) = match self.points.first() {
             Some((_, small)) if launch_bound => (
-                low.max(small.step_range.0 * accumulate as f64).min(seconds),
+                low.max(small.step_range.0).min(seconds),
                 high.max(in_proportion(largest.step_range.0)),
             ),
             Some((_, small)) if largest.step_range.0 < SHORT_STEP_SECONDS => {
-                (low.min(small.step_range.0 * accumulate as f64), high)
+                (low.min(small.step_range.0), high)
             }
             _ => (low, high),
         };
@@ -528,10 +550,10 @@ impl Calibration {
     }
 
     /// Where every trial was bound by the host (see [`HOST_BOUND_RATIO`]), the step time at
-    /// `micro` from the GPU's work there (`gpu_work`, for all `accumulate` micro-batches) instead of
-    /// the line through the trials' wall times, which is noise there: the work plus the
-    /// smallest part of a trial's fastest step that the GPU sat idle (the host's launches and
-    /// CPU work, which do not grow with the batch), per micro-batch. A range from the fastest
+    /// `micro` from the GPU's work there (`gpu_work`) instead of the line through the trials'
+    /// wall times, which is noise there: the work plus the smallest part of a trial's fastest
+    /// step that the GPU sat idle (the host's launches and CPU work, which do not grow with the
+    /// batch). A range from the fastest
     /// step of any trial (or the work, if more) up to the slowest steps' line or the larger
     /// trial's fastest step in proportion to the batch, where the work may take over. On the
     /// H200 this point's median error over 44 host-bound checks was 11%, the line's 18%
@@ -539,7 +561,6 @@ impl Calibration {
     fn host_bound_step(
         &self,
         micro: u64,
-        accumulate: u64,
         gpu_work: Option<f64>,
         slowest_line: f64,
     ) -> Option<(f64, StepTime)> {
@@ -553,14 +574,11 @@ impl Calibration {
             })
             .collect::<Option<_>>()?;
         let (batch, largest) = self.points.last()?;
-        let accumulate = accumulate as f64;
         let least_idle = idle.iter().map(|(fastest, busy)| fastest - busy);
-        let point = work + least_idle.fold(f64::INFINITY, f64::min) * accumulate;
+        let point = work + least_idle.fold(f64::INFINITY, f64::min);
         let fastest = idle.iter().map(|(fastest, _)| *fastest);
-        let low = (fastest.fold(f64::INFINITY, f64::min) * accumulate)
-            .max(work)
-            .min(point);
-        let in_proportion = largest.step_range.0 * micro as f64 / *batch as f64 * accumulate;
+        let low = fastest.fold(f64::INFINITY, f64::min).max(work).min(point);
+        let in_proportion = largest.step_range.0 * micro as f64 / *batch as f64;
         let high = slowest_line.max(in_proportion).max(point);
         let step_time = StepTime {
             low,
@@ -747,6 +765,7 @@ pub(crate) mod tests {
             step_seconds: 0.01 + 0.002 * batch as f64,
             step_range: (0.01 + 0.002 * batch as f64, 0.01 + 0.002 * batch as f64),
             gpu_busy_seconds: None,
+            optimizer_step_seconds: None,
             losses: vec![1.0, 0.9, 0.8],
             parameters: shapes(),
             ops: None,
@@ -1183,6 +1202,41 @@ pub(crate) mod tests {
             (prediction.step_seconds - 0.0423).abs() < 1e-4,
             "{prediction:?}"
         );
+    }
+
+    #[test]
+    fn micro_batches_repeat_forward_and_backward_but_not_the_optimizer_step() {
+        // Simulated steps take 10 ms + 2 ms per sample: 42 ms at 16. Unmarked, two
+        // micro-batches of 16 take two such steps; where the larger trial measured its
+        // optimizer step (6 ms), the second micro-batch does not repeat it.
+        let mut calibration = calibrated(&[8, 16]);
+        let unmarked = calibration
+            .predict(&scenario(32, 2, OptimizerRule::Adam))
+            .unwrap();
+        assert!((unmarked.step_seconds - 0.084).abs() < 1e-9, "{unmarked:?}");
+        calibration.points[1].1.optimizer_step_seconds = Some(0.006);
+        let marked = calibration
+            .predict(&scenario(32, 2, OptimizerRule::Adam))
+            .unwrap();
+        assert!((marked.step_seconds - 0.078).abs() < 1e-9, "{marked:?}");
+        let time = &marked.step_time;
+        assert!(time.low <= marked.step_seconds && marked.step_seconds <= time.high);
+        // A plain step is what the trials ran: unchanged. Four micro-batches save three.
+        let plain = calibration
+            .predict(&scenario(16, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!((plain.step_seconds - 0.042).abs() < 1e-9, "{plain:?}");
+        let four = calibration
+            .predict(&scenario(64, 4, OptimizerRule::Adam))
+            .unwrap();
+        assert!((four.step_seconds - (4.0 * 0.042 - 3.0 * 0.006)).abs() < 1e-9);
+        // An optimizer step longer than a whole plain step's lower end is a measurement gone
+        // wrong: never less than one plain step per micro-batch's worth of it.
+        calibration.points[1].1.optimizer_step_seconds = Some(1.0);
+        let capped = calibration
+            .predict(&scenario(32, 2, OptimizerRule::Adam))
+            .unwrap();
+        assert!(capped.step_seconds >= 0.042, "{capped:?}");
     }
 
     #[test]

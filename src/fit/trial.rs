@@ -34,6 +34,9 @@ pub struct Measured {
     /// How long the GPU worked in the trial's profiled step (its kernels, copies and memsets),
     /// when it profiled one (CUDA): at a launch-bound batch, less than the step's wall time.
     pub gpu_busy_seconds: Option<f64>,
+    /// The optimizer step's part of a typical step, where the loop marked it: what a step runs
+    /// once however many micro-batches it adds up.
+    pub optimizer_step_seconds: Option<f64>,
     /// The loss of each step.
     pub losses: Vec<f64>,
     /// The model's trainable parameters.
@@ -60,6 +63,7 @@ impl Measured {
             step_seconds: typical,
             step_range: run.step_range_seconds().unwrap_or((typical, typical)),
             gpu_busy_seconds: run.gpu_busy_seconds,
+            optimizer_step_seconds: run.typical_optimizer_step_seconds(),
             losses: run.losses.clone(),
             parameters: run.parameters.clone(),
             ops: run.ops.clone(),

@@ -54,6 +54,11 @@ pub struct CompareRun {
     /// any: the work a step's wall time hides where launching kernels takes longer.
     #[serde(default)]
     pub gpu_busy_seconds: Option<f64>,
+    /// The optimizer step's part of each timed step that marked it (`tchmem::phase::step`), in
+    /// seconds: from the marker, once the GPU had done the work before it, to the step's end.
+    /// It runs once per step however many micro-batches the step adds up.
+    #[serde(default)]
+    pub optimizer_step_seconds: Vec<f64>,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.
@@ -98,17 +103,28 @@ impl CompareRun {
     /// Median step time after the first step (which pays for warm-up and lazy state), or the
     /// only step's time.
     pub fn typical_step_seconds(&self) -> Option<f64> {
-        let mut times: Vec<f64> = if self.step_seconds.len() > 1 {
-            self.step_seconds[1..].to_vec()
-        } else {
-            self.step_seconds.clone()
-        };
-        if times.is_empty() {
-            return None;
-        }
-        times.sort_by(f64::total_cmp);
-        Some(times[times.len() / 2])
+        typical(&self.step_seconds)
     }
+
+    /// The optimizer step's part of a typical step (see [`Self::optimizer_step_seconds`]),
+    /// taken as the step times are.
+    pub fn typical_optimizer_step_seconds(&self) -> Option<f64> {
+        typical(&self.optimizer_step_seconds)
+    }
+}
+
+/// The median after the first (which pays for warm-up and lazy state), or the only one.
+fn typical(seconds: &[f64]) -> Option<f64> {
+    let mut times: Vec<f64> = seconds
+        .get(1..)
+        .filter(|rest| !rest.is_empty())
+        .unwrap_or(seconds)
+        .to_vec();
+    if times.is_empty() {
+        return None;
+    }
+    times.sort_by(f64::total_cmp);
+    Some(times[times.len() / 2])
 }
 
 #[cfg(test)]
@@ -123,6 +139,12 @@ mod tests {
         };
         assert_eq!(run.typical_step_seconds(), Some(0.2));
         assert_eq!(CompareRun::default().typical_step_seconds(), None);
+        let one = CompareRun {
+            optimizer_step_seconds: vec![0.04],
+            ..Default::default()
+        };
+        assert_eq!(one.typical_optimizer_step_seconds(), Some(0.04));
+        assert_eq!(run.typical_optimizer_step_seconds(), None);
         assert_eq!(run.step_range_seconds(), Some((0.1, 0.3)));
     }
 
