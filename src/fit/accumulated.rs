@@ -67,6 +67,90 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
     Some(held_peak.saturating_sub(plain_peak).min(gradients))
 }
 
+/// The allocator's events of a step split into `k` micro-batches, made from a plain trial's
+/// (from its beginning to the end of its recorded step, at any sizes: `events`, numbered as
+/// `trace`'s), as the kernel's `--accumulate` rewrite runs it: `zero_grad` first, so the last
+/// step's gradients are freed before the first micro-batch's forward pass (a plain step frees
+/// them after it, and its backward pass puts the new ones in their blocks), then the recorded
+/// step once per micro-batch; from the second on, each gradient backward makes is a temporary
+/// added into the one the first made, and the tensors a micro-batch leaves alive (its loss,
+/// its output) are freed where the next frees the last step's. `None` without a recorded step
+/// or parameters.
+pub fn micro_batched(
+    trace: &AllocTrace,
+    parameters: &[ParamShape],
+    events: &[AllocEvent],
+    k: u64,
+) -> Option<Vec<AllocEvent>> {
+    let step_begins = trace.marks.first()?.1;
+    if parameters.is_empty() || step_begins >= events.len() || k < 2 {
+        return None;
+    }
+    let lives = Lives::of(trace);
+    let is_gradient = lives.gradients(step_begins, parameters);
+    let made_in_step = |k: usize| lives.made_from(k, step_begins);
+    // What the step frees of what the last step left (not gradients), each paired with what
+    // this step leaves of that size, in order: a later micro-batch frees the earlier one's.
+    let left = |k: usize| made_in_step(k) && lives.spans[k].1.is_none() && !is_gradient[k];
+    let mut leftovers: HashMap<u64, Vec<usize>> = HashMap::new();
+    for k in (0..lives.sizes.len()).filter(|&k| left(k)) {
+        leftovers.entry(lives.sizes[k]).or_default().push(k);
+    }
+    let mut pairs: HashMap<usize, usize> = HashMap::new();
+    for event in &events[step_begins..] {
+        if let AllocEvent::Free(k) = *event {
+            if k < lives.sizes.len() && !made_in_step(k) && !is_gradient[k] {
+                if let Some(same) = leftovers.get_mut(&lives.sizes[k]).filter(|v| !v.is_empty()) {
+                    pairs.insert(k, same.remove(0));
+                }
+            }
+        }
+    }
+    let is_last_gradient = |k: usize| k < is_gradient.len() && is_gradient[k] && !made_in_step(k);
+    let step = &events[step_begins..];
+    let mut out: Vec<AllocEvent> = events[..step_begins].to_vec();
+    // The first micro-batch: the last step's gradients freed first.
+    out.extend(step.iter().filter_map(|e| match *e {
+        AllocEvent::Free(k) if is_last_gradient(k) => Some(*e),
+        _ => None,
+    }));
+    out.extend(
+        step.iter()
+            .filter(|e| !matches!(**e, AllocEvent::Free(k) if is_last_gradient(k)))
+            .copied(),
+    );
+    // Each later one, its allocations numbered after every earlier one's.
+    let mut next = lives.sizes.len();
+    let mut earlier: HashMap<usize, usize> = HashMap::new();
+    for _ in 1..k {
+        let mut this: HashMap<usize, usize> = HashMap::new();
+        for (at, event) in step.iter().enumerate() {
+            match *event {
+                AllocEvent::Alloc(bytes) => {
+                    let old = lives.allocation_at[step_begins + at];
+                    out.push(AllocEvent::Alloc(bytes));
+                    this.insert(old, next);
+                    if is_gradient.get(old).copied().unwrap_or(false) {
+                        out.push(AllocEvent::Free(next));
+                    }
+                    next += 1;
+                }
+                AllocEvent::Free(k) if is_last_gradient(k) => {}
+                AllocEvent::Free(k) => {
+                    let freed = match this.get(&k) {
+                        Some(&new) => Some(new),
+                        // The earlier micro-batch's leftover of this size.
+                        None => pairs.get(&k).map(|p| *earlier.get(p).unwrap_or(p)),
+                    };
+                    out.extend(freed.map(AllocEvent::Free));
+                }
+            }
+        }
+        earlier = this;
+    }
+    Some(out)
+}
+
 /// Each allocation's rounded size and the events that made and freed it.
 struct Lives {
     sizes: Vec<u64>,
@@ -183,6 +267,7 @@ mod tests {
     use tchmem_wire::alloc_trace::Segment;
 
     use super::*;
+    use crate::fit::allocator::{self, SegmentOrder};
 
     const MIB: u64 = 1 << 20;
 
@@ -308,5 +393,58 @@ mod tests {
         trace.events.insert(3, -100);
         trace.events.push(-5);
         assert_eq!(added_by_accumulation(&trace, &parameters()), Some(4 * MIB));
+    }
+
+    #[test]
+    fn micro_batches_free_the_last_gradients_first_and_keep_the_first_ones() {
+        // Parameters 0, 1 and the last gradients 2, 3 fill a 16 MiB segment; forward makes a
+        // 40 MiB activation (4), zero_grad frees 2 and 3, backward makes the gradients (5, 6)
+        // and frees the activation. Plain, the gradients take the blocks zero_grad freed: 56
+        // MiB reserved.
+        let mib = |n: u64| (n * MIB) as i64;
+        let trace = AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(4 * MIB, true); 4],
+            }],
+            events: vec![mib(40), -3, -4, mib(4), mib(4), -5],
+            marks: vec![(0, 0)],
+        };
+        let events: Vec<AllocEvent> = trace.decoded().collect();
+        let two = micro_batched(&trace, &parameters(), &events, 2).unwrap();
+        let a = |n: u64| AllocEvent::Alloc(n * MIB);
+        use AllocEvent::Free;
+        // zero_grad first; the second micro-batch's allocations are 7-9, its gradients
+        // temporaries added into 5 and 6, its activation freed as the first's was.
+        let expected = [
+            Free(2),
+            Free(3),
+            a(40),
+            a(4),
+            a(4),
+            Free(4),
+            a(40),
+            a(4),
+            Free(8),
+            a(4),
+            Free(9),
+            Free(7),
+        ];
+        assert_eq!(two, expected);
+        // The first micro-batch's gradients now fill the freed blocks, and the second's
+        // temporary needs a segment of its own (20 MiB for a request of 1-10 MiB).
+        let order = SegmentOrder::default();
+        let plain = allocator::peak_reserved(&trace.segments, events, order);
+        let micro = allocator::peak_reserved(&trace.segments, two, order);
+        assert_eq!((plain, micro), (56 * MIB, 76 * MIB));
+        // One micro-batch, no recorded step or no parameters: nothing to make.
+        assert!(micro_batched(
+            &trace,
+            &parameters(),
+            &trace.decoded().collect::<Vec<_>>(),
+            1
+        )
+        .is_none());
+        assert!(micro_batched(&trace, &[], &trace.decoded().collect::<Vec<_>>(), 2).is_none());
     }
 }
