@@ -557,7 +557,9 @@ impl Calibration {
     /// step of any trial (or the work, if more) up to the slowest steps' line or the larger
     /// trial's fastest step in proportion to the batch, where the work may take over. On the
     /// H200 this point's median error over 44 host-bound checks was 11%, the line's 18%
-    /// (`scripts/gpu/analysis/step_times.py results/gpu/2026-12-05-busy-time/`).
+    /// (`scripts/gpu/analysis/step_times.py results/gpu/2026-12-05-busy-time/`), read from the
+    /// trials' tables; run by the kernel on an H100, 23% over 39 (`results/gpu/2026-12-05-accumulate/`),
+    /// where the range held 6 of the 7 such steps of 20 ms or more.
     fn host_bound_step(
         &self,
         micro: u64,
