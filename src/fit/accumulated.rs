@@ -8,7 +8,7 @@
 //! end of forward. The trial's allocator events tell it: the recorded step is replayed with its
 //! gradients held throughout.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tchmem_wire::alloc_trace::{AllocEvent, AllocTrace};
 use tchmem_wire::estimate::ParamShape;
@@ -74,8 +74,9 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
 /// them after it, and its backward pass puts the new ones in their blocks), then the recorded
 /// step once per micro-batch; from the second on, each gradient backward makes is a temporary
 /// added into the one the first made, and the tensors a micro-batch leaves alive (its loss,
-/// its output) are freed where the next frees the last step's. `None` without a recorded step
-/// or parameters.
+/// its output) are freed where the next frees the last step's, or as it begins where the
+/// recorded step frees none of their size (the loop dropped the last step's before its first
+/// operator). `None` without a recorded step or parameters, or with `events` not the trace's.
 pub fn micro_batched(
     trace: &AllocTrace,
     parameters: &[ParamShape],
@@ -83,7 +84,11 @@ pub fn micro_batched(
     k: u64,
 ) -> Option<Vec<AllocEvent>> {
     let step_begins = trace.marks.first()?.1;
-    if parameters.is_empty() || step_begins >= events.len() || k < 2 {
+    if parameters.is_empty()
+        || events.len() != trace.events.len()
+        || step_begins >= events.len()
+        || k < 2
+    {
         return None;
     }
     let lives = Lives::of(trace);
@@ -92,8 +97,9 @@ pub fn micro_batched(
     // What the step frees of what the last step left (not gradients), each paired with what
     // this step leaves of that size, in order: a later micro-batch frees the earlier one's.
     let left = |k: usize| made_in_step(k) && lives.spans[k].1.is_none() && !is_gradient[k];
+    let left_by_step: Vec<usize> = (0..lives.sizes.len()).filter(|&k| left(k)).collect();
     let mut leftovers: HashMap<u64, Vec<usize>> = HashMap::new();
-    for k in (0..lives.sizes.len()).filter(|&k| left(k)) {
+    for &k in &left_by_step {
         leftovers.entry(lives.sizes[k]).or_default().push(k);
     }
     let mut pairs: HashMap<usize, usize> = HashMap::new();
@@ -122,7 +128,12 @@ pub fn micro_batched(
     // Each later one, its allocations numbered after every earlier one's.
     let mut next = lives.sizes.len();
     let mut earlier: HashMap<usize, usize> = HashMap::new();
+    let paired: HashSet<usize> = pairs.values().copied().collect();
     for _ in 1..k {
+        // What the earlier micro-batch left that no free in the step stands for (the last
+        // step's copy went before the step's first operator): gone as this one begins.
+        let unpaired = left_by_step.iter().filter(|k| !paired.contains(k));
+        out.extend(unpaired.map(|k| AllocEvent::Free(*earlier.get(k).unwrap_or(k))));
         let mut this: HashMap<usize, usize> = HashMap::new();
         for (at, event) in step.iter().enumerate() {
             match *event {
@@ -446,5 +457,44 @@ mod tests {
         )
         .is_none());
         assert!(micro_batched(&trace, &[], &trace.decoded().collect::<Vec<_>>(), 2).is_none());
+    }
+
+    #[test]
+    fn what_a_micro_batch_leaves_goes_as_the_next_begins_when_the_step_frees_none_of_it() {
+        // Held at the start: a 4 MiB parameter (0), its last gradient (1), the last step's
+        // 40 MiB output (2), which the loop drops before the step's first operator. The step
+        // makes an output (3), frees the last gradient, makes the new one (4). Three
+        // micro-batches: each output goes as the next micro-batch begins, one alive at the end.
+        let mib = |n: u64| (n * MIB) as i64;
+        let trace = AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(4 * MIB, true), (4 * MIB, true), (40 * MIB, true)],
+            }],
+            events: vec![-3, mib(40), -2, mib(4)],
+            marks: vec![(0, 1)],
+        };
+        let one = &parameters()[..1];
+        let events: Vec<AllocEvent> = trace.decoded().collect();
+        let three = micro_batched(&trace, one, &events, 3).unwrap();
+        let a = |n: u64| AllocEvent::Alloc(n * MIB);
+        use AllocEvent::Free;
+        let expected = [
+            Free(2),
+            Free(1),
+            a(40),
+            a(4),
+            Free(3),
+            a(40),
+            a(4),
+            Free(6),
+            Free(5),
+            a(40),
+            a(4),
+            Free(8),
+        ];
+        assert_eq!(three, expected);
+        // Events that are not the trace's: nothing to make.
+        assert!(micro_batched(&trace, one, &events[1..], 3).is_none());
     }
 }

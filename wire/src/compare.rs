@@ -54,9 +54,10 @@ pub struct CompareRun {
     /// any: the work a step's wall time hides where launching kernels takes longer.
     #[serde(default)]
     pub gpu_busy_seconds: Option<f64>,
-    /// The optimizer step's part of each timed step that marked it (`tchmem::phase::step`), in
-    /// seconds: from the marker, once the GPU had done the work before it, to the step's end.
-    /// It runs once per step however many micro-batches the step adds up.
+    /// The optimizer step's part of a step, in seconds, where the loop marks it
+    /// (`tchmem::phase::step`): from the marker, once the GPU had done the work before it, to
+    /// the step's end, in one step past the timed ones (runs that record their operators). It
+    /// runs once per step however many micro-batches the step adds up.
     #[serde(default)]
     pub optimizer_step_seconds: Vec<f64>,
 }
