@@ -33,8 +33,8 @@ struct State {
     recording: bool,
     /// Whether a timed step marked its optimizer step (`tchmem::phase::step`).
     saw_step_marker: bool,
-    /// Whether the step now running times its optimizer step: one past the timed ones, in a
-    /// run that records its operators, when the loop marks that step. Its marker waits for
+    /// Whether the step now running times its optimizer step: one after the profiled step, in
+    /// a run that records its operators, when the loop marks that step. Its marker waits for
     /// the GPU, which no other step does (the host queues the optimizer's kernels while the
     /// GPU still runs backward in the loop as written).
     timing_optimizer: bool,
@@ -213,10 +213,12 @@ pub fn record_step(loss: &Tensor) -> bool {
         synchronize();
         measure(state);
         state.profiling = busy_time::wanted() && busy_time::start(Activity::Device).is_ok();
-        return !state.profiling;
+        // Without a profiled step, the one that times the optimizer step comes next.
+        state.timing_optimizer = !state.profiling && state.saw_step_marker;
+        return !state.profiling && !state.timing_optimizer;
     }
-    // The step that timed its optimizer step ends here; its time and loss are not the run's
-    // (its marker waited for the GPU). The recorded step follows.
+    // The step that timed its optimizer step, the last, ends here; its time and loss are not
+    // the run's (its marker waited for the GPU).
     if state.timing_optimizer {
         let _ = loss.double_value(&[]);
         synchronize();
@@ -228,8 +230,7 @@ pub fn record_step(loss: &Tensor) -> bool {
         }
         state.timing_optimizer = false;
         measure(state);
-        state.recording = op_trace::start().is_ok();
-        return !state.recording;
+        return true;
     }
     // The profiled step ends here: the GPU's busy time is the run's; the step's time and loss
     // are not (the profiler slows the host). Last, so that a loop too short for it still has
@@ -242,7 +243,10 @@ pub fn record_step(loss: &Tensor) -> bool {
             .filter(|busy| busy.events > 0)
             .map(|busy| busy.time.as_secs_f64());
         measure(state);
-        return true;
+        // One step more where the loop marks its optimizer step, to time it: last, so that a
+        // loop too short for it keeps what came before.
+        state.timing_optimizer = state.saw_step_marker;
+        return !state.timing_optimizer;
     }
     // The loss value waits for the step's kernels, so the time is the step's.
     let value = loss.double_value(&[]);
@@ -270,11 +274,6 @@ pub fn record_step(loss: &Tensor) -> bool {
     measure(state);
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
-    if done && state.record_ops && state.saw_step_marker {
-        // One step more, with its optimizer step timed; then the recorded one.
-        state.timing_optimizer = true;
-        return false;
-    }
     if done && state.record_ops {
         // One step more, with its operators recorded.
         state.recording = op_trace::start().is_ok();
@@ -370,7 +369,7 @@ mod tests {
     }
 
     #[test]
-    fn a_marked_optimizer_step_is_timed_in_a_step_of_its_own_after_the_timed_ones() {
+    fn a_marked_optimizer_step_is_timed_in_a_step_of_its_own_after_the_others() {
         let _profile = crate::busy_time::one_profile_at_a_time();
         let vs = nn::VarStore::new(Device::Cpu);
         let model = nn::linear(vs.root(), 4, 1, Default::default());

@@ -56,8 +56,9 @@ pub struct CompareRun {
     pub gpu_busy_seconds: Option<f64>,
     /// The optimizer step's part of a step, in seconds, where the loop marks it
     /// (`tchmem::phase::step`): from the marker, once the GPU had done the work before it, to
-    /// the step's end, in one step past the timed ones (runs that record their operators). It
-    /// runs once per step however many micro-batches the step adds up.
+    /// the step's end, in one step after the profiled one (runs that record their operators;
+    /// none where the loop ends first). It runs once per step however many micro-batches the
+    /// step adds up.
     #[serde(default)]
     pub optimizer_step_seconds: Vec<f64>,
 }
