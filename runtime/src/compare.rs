@@ -337,6 +337,12 @@ mod tests {
     use tch::nn::{self, Module, OptimizerConfig};
     use tch::{Device, Kind};
 
+    /// Runs `step` as an instrumented loop does, until [`record_step`] stops it (at most 100
+    /// steps): how many ran.
+    fn steps_until_stopped(mut step: impl FnMut() -> Tensor) -> usize {
+        (1..=100).find(|_| record_step(&step())).unwrap_or(100)
+    }
+
     #[test]
     fn a_trial_times_its_steps_then_records_one_and_profiles_one() {
         // A trial as on CUDA (the kernel asks for it only there); on this CPU the profiler sees
@@ -347,15 +353,11 @@ mod tests {
         let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
         let x = Tensor::randn([32, 4], (Kind::Float, Device::Cpu));
         start(2, true);
-        let mut steps = 0;
-        for _ in 0..100 {
+        let steps = steps_until_stopped(|| {
             let loss = model.forward(&x).mean(Kind::Float);
             opt.backward_step(&loss);
-            steps += 1;
-            if record_step(&loss) {
-                break;
-            }
-        }
+            loss
+        });
         let run = finish().0;
         assert_eq!(steps, 4, "two timed, one recorded, one profiled");
         assert_eq!(run.losses.len(), 2);
@@ -389,18 +391,11 @@ mod tests {
         let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
         let x = Tensor::randn([32, 4], (Kind::Float, Device::Cpu));
         start(3, true);
-        let mut steps = 0;
-        for _ in 0..100 {
-            let loss = marked_step(&mut opt, &model, &x);
-            steps += 1;
-            if record_step(&loss) {
-                break;
-            }
-        }
+        let steps = steps_until_stopped(|| marked_step(&mut opt, &model, &x));
         let run = finish().0;
         assert_eq!(
             steps, 6,
-            "three timed, one timing its optimizer step, one recorded, one profiled"
+            "three timed, one recorded, one profiled, one timing its optimizer step"
         );
         assert_eq!(run.step_seconds.len(), 3);
         assert_eq!(run.optimizer_step_seconds.len(), 1);
@@ -408,12 +403,7 @@ mod tests {
         assert!(run.ops.is_some_and(|ops| !ops.ops.is_empty()));
         // A run that records nothing (a --compare) times no optimizer step.
         start(2, false);
-        for _ in 0..100 {
-            let loss = marked_step(&mut opt, &model, &x);
-            if record_step(&loss) {
-                break;
-            }
-        }
+        steps_until_stopped(|| marked_step(&mut opt, &model, &x));
         assert!(finish().0.optimizer_step_seconds.is_empty());
     }
 }

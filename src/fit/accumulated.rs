@@ -116,15 +116,11 @@ pub fn micro_batched(
     let step = &events[step_begins..];
     let mut out: Vec<AllocEvent> = events[..step_begins].to_vec();
     // The first micro-batch: the last step's gradients freed first.
-    out.extend(step.iter().filter_map(|e| match *e {
-        AllocEvent::Free(k) if is_last_gradient(k) => Some(*e),
-        _ => None,
-    }));
-    out.extend(
-        step.iter()
-            .filter(|e| !matches!(**e, AllocEvent::Free(k) if is_last_gradient(k)))
-            .copied(),
-    );
+    let (zero_grad, rest): (Vec<AllocEvent>, Vec<AllocEvent>) = step
+        .iter()
+        .partition(|e| matches!(**e, AllocEvent::Free(k) if is_last_gradient(k)));
+    out.extend(zero_grad);
+    out.extend(rest);
     // Each later one, its allocations numbered after every earlier one's.
     let mut next = lives.sizes.len();
     let mut earlier: HashMap<usize, usize> = HashMap::new();

@@ -553,13 +553,13 @@ impl Calibration {
     /// `micro` from the GPU's work there (`gpu_work`) instead of the line through the trials'
     /// wall times, which is noise there: the work plus the smallest part of a trial's fastest
     /// step that the GPU sat idle (the host's launches and CPU work, which do not grow with the
-    /// batch). A range from the fastest
-    /// step of any trial (or the work, if more) up to the slowest steps' line or the larger
-    /// trial's fastest step in proportion to the batch, where the work may take over. On the
-    /// H200 this point's median error over 44 host-bound checks was 11%, the line's 18%
-    /// (`scripts/gpu/analysis/step_times.py results/gpu/2026-12-05-busy-time/`), read from the
-    /// trials' tables; run by the kernel on an H100, 23% over 39 (`results/gpu/2026-12-05-accumulate/`),
-    /// where the range held 6 of the 7 such steps of 20 ms or more.
+    /// batch). A range from the fastest step of any trial (or the work, if more) up to the
+    /// slowest steps' line or the larger trial's fastest step in proportion to the batch, where
+    /// the work may take over. On the H200 this point's median error over 44 host-bound checks
+    /// was 11%, the line's 18% (`scripts/gpu/analysis/step_times.py
+    /// results/gpu/2026-12-05-busy-time/`), read from the trials' tables; run by the kernel on
+    /// an H100, 23% over 39 (`results/gpu/2026-12-05-accumulate/`), where the range held 6 of
+    /// the 7 such steps of 20 ms or more.
     fn host_bound_step(
         &self,
         micro: u64,
@@ -608,9 +608,9 @@ impl Calibration {
     /// replayed there where they line up (with `accumulate` micro-batches, the recorded step
     /// replayed as the rewrite runs it: see [`accumulated::micro_batched`]; on the H200 the
     /// plain step's replay missed resnet18's `--accumulate 2` by 18%, this one is within 0.5%,
-    /// `results/gpu/2026-12-05-accumulate/`); else the cache's share of the loop's peak. Where the model missed the larger
-    /// trial's own peak, the same miss scaled to here bounds a range; so does the other segment
-    /// order, where it gives another peak.
+    /// `results/gpu/2026-12-05-accumulate/`); else the cache's share of the loop's peak. Where
+    /// the model missed the larger trial's own peak, the same miss scaled to here bounds a
+    /// range; so does the other segment order, where it gives another peak.
     fn cache_at(&self, micro: u64, accumulate: u64, peak_allocated: u64, loop_peak: u64) -> Cache {
         let parameters = self
             .points

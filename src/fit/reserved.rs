@@ -636,6 +636,30 @@ pub(crate) mod tests {
         );
     }
 
+    /// A family's trials under `dir` (under `results/gpu/`): its calibration trials at `small`
+    /// and `large` as written, and its step under `--accumulate 2` at twice `large`. The
+    /// accumulating step's measured peak reserved, and the replays at `large` (both segment
+    /// orders) as the rewrite runs the step and as a plain step.
+    struct Accumulating {
+        measured: u64,
+        micro_batched: (u64, u64),
+        plain: (u64, u64),
+    }
+
+    fn accumulating(dir: &str, model: &str, small: u64, large: u64) -> Accumulating {
+        let at = |batch: u64| point(&recorded_at(&format!("{dir}/{model}-{batch}")));
+        let points = [at(small), at(large)];
+        let lines = ReservedLines::of(&points).unwrap();
+        let parameters = &points[1].1.parameters;
+        Accumulating {
+            measured: recorded_at(&format!("{dir}/{model}-acc2-{}", 2 * large)).peak_reserved,
+            micro_batched: lines
+                .peak_reserved(large, None, Some((parameters, 2)))
+                .unwrap(),
+            plain: lines.peak_reserved(large, None, None).unwrap(),
+        }
+    }
+
     #[test]
     fn a_loop_that_accumulates_reserves_what_its_plain_step_at_the_micro_batch_does() {
         // PyTorch's resnet18, VGG-style net and GRU on an H100 (2026-12-05-accumulate/): each
@@ -653,22 +677,16 @@ pub(crate) mod tests {
             ("gru", 32, 64),
             ("gru", 64, 128),
         ] {
-            let at = |batch: u64| point(&recorded_at(&format!("{dir}/{model}-{batch}")));
-            let points = [at(small), at(large)];
-            let accumulated = recorded_at(&format!("{dir}/{model}-acc2-{}", 2 * large));
-            let lines = ReservedLines::of(&points).unwrap();
-            let parameters = &points[1].1.parameters;
-            let (point, other) = lines
-                .peak_reserved(large, None, Some((parameters, 2)))
-                .unwrap();
+            let run = accumulating(dir, model, small, large);
+            let (point, other) = run.micro_batched;
             let closer = [point, other]
-                .map(|bytes| error(bytes, accumulated.peak_reserved).abs())
+                .map(|bytes| error(bytes, run.measured).abs())
                 .into_iter()
                 .fold(f64::MAX, f64::min);
             assert!(
                 closer <= 0.035,
                 "{model} at {small}/{large}: {point} or {other} for {}",
-                accumulated.peak_reserved
+                run.measured
             );
         }
     }
@@ -692,18 +710,10 @@ pub(crate) mod tests {
             ("char_rnn", 64, 128),
             ("tied_gpt", 8, 16),
         ] {
-            let at = |batch: u64| point(&recorded_at(&format!("{dir}/{model}-{batch}")));
-            let points = [at(small), at(large)];
-            let accumulated = recorded_at(&format!("{dir}/{model}-acc2-{}", 2 * large));
-            let lines = ReservedLines::of(&points).unwrap();
-            let parameters = &points[1].1.parameters;
-            let (point, _) = lines
-                .peak_reserved(large, None, Some((parameters, 2)))
-                .unwrap();
-            let (plain, _) = lines.peak_reserved(large, None, None).unwrap();
+            let run = accumulating(dir, model, small, large);
             let (error, plain_error) = (
-                error(point, accumulated.peak_reserved),
-                error(plain, accumulated.peak_reserved),
+                error(run.micro_batched.0, run.measured),
+                error(run.plain.0, run.measured),
             );
             assert!(
                 error.abs() < 0.05,
