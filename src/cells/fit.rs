@@ -57,10 +57,17 @@ impl<R: Runner> Cells<R> {
             .map(|dp| dp.ranks as usize);
         let accumulate = request.accumulate.unwrap_or(1) as u64;
         let rule = request.optimizer.map_or(cell.rule, |choice| choice.rule());
-        let full = Options {
-            accumulate: request.accumulate,
+        // The trials run the other optimizer too: its step's time (and temporaries) are its
+        // own, where its rule alone gave the state and the cell's optimizer the time (on the
+        // H100, Adafactor's steps were 20-60% longer than the trials of the cell's optimizer
+        // said, results/gpu/2026-12-05-accumulate/).
+        let calibrated = Options {
             optimizer: request.optimizer,
             ..request.calibrated.clone()
+        };
+        let full = Options {
+            accumulate: request.accumulate,
+            ..calibrated.clone()
         };
         let mut what = estimate_label(&cell.binding.name, effective, &full, &rule);
         if let Some(dp) = request.data_parallel {
@@ -90,7 +97,7 @@ impl<R: Runner> Cells<R> {
             format!("%memestimate: calibrating ({what})"),
             display_sink(&io.output),
         );
-        let mut calibration = match self.calibrate(&cell, &request.calibrated, target, &mut table) {
+        let mut calibration = match self.calibrate(&cell, &calibrated, target, &mut table) {
             Ok(Ok(calibration)) => calibration,
             Ok(Err(why)) => {
                 return fail(CellError::new(
@@ -103,7 +110,7 @@ impl<R: Runner> Cells<R> {
                     ErrorName::RewriteRefused,
                     format!(
                         "%memestimate could not apply {}: {refusal}",
-                        request.calibrated.flags()
+                        calibrated.flags()
                     ),
                 ))
             }
@@ -139,7 +146,7 @@ impl<R: Runner> Cells<R> {
             .points
             .iter()
             .map(|(b, m)| Trial {
-                options: request.calibrated.clone(),
+                options: calibrated.clone(),
                 batch: *b,
                 outcome: Outcome::Ran(m.clone()),
             })

@@ -637,6 +637,47 @@ fn an_estimate_whose_replay_fails_keeps_the_trials_line() {
 }
 
 #[test]
+fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
+    // Adafactor's steps take three times the cell's Adam's here: the estimate must say so, which
+    // it cannot from trials of Adam.
+    let slow_adafactor = |code: &str| {
+        let mut outcome = gpu().answer(code);
+        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
+            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+            if code.contains("Adafactor") {
+                run.step_seconds = vec![1.5, 0.3, 0.3];
+            }
+            *json = serde_json::to_string(&run).unwrap();
+        }
+        outcome
+    };
+    let mut cells = cells(FakeRunner::new(slow_adafactor));
+    let shown = Shown::default();
+    let outcome = cells.execute(
+        &format!("%memestimate --optimizer adafactor\n{LOOP}"),
+        shown.io(),
+    );
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let trials: Vec<&String> = cells
+        .runner
+        .ran
+        .iter()
+        .filter(|code| code.contains("tchmem::compare::begin"))
+        .collect();
+    assert_eq!(trials.len(), 2, "{trials:?}");
+    assert!(
+        trials.iter().all(|code| code.contains("Adafactor")),
+        "{trials:?}"
+    );
+    let text = shown.all();
+    let step = text
+        .lines()
+        .find(|l| l.contains("step time"))
+        .unwrap_or_default();
+    assert!(step.contains("300.0"), "{text}");
+}
+
+#[test]
 fn distributed_cells_run_in_one_world_kept_until_its_ranks_change() {
     let mut cells = Cells::new(
         FakeRunner::new(|_| CellOutcome::default()),

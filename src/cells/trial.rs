@@ -268,7 +268,7 @@ impl<R: Runner> Cells<R> {
         points.sort_by_key(|(b, _)| *b);
         Ok(Ok(Calibration {
             points,
-            rule: cell.rule,
+            rule: options.optimizer.map_or(cell.rule, |choice| choice.rule()),
             gradients_in_backward: options.step_in_backward,
             replayed: None,
         }))

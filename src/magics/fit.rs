@@ -38,7 +38,8 @@ pub struct EstimateArgs {
     /// With mixed precision (as `%%optimize --amp`).
     #[arg(long, value_name = "KIND")]
     pub amp: Option<AmpArg>,
-    /// With another optimizer (as `%%optimize --optimizer`): its state by its rule.
+    /// With another optimizer (as `%%optimize --optimizer`): the trials run it, its state by its
+    /// rule.
     #[arg(long, value_name = "NAME")]
     pub optimizer: Option<OptimizerArg>,
     /// With activation checkpointing (as `%%optimize --checkpoint`).
@@ -82,7 +83,7 @@ pub struct EstimateRequest {
     pub calibrated: Options,
     /// Micro-batches (predicted from the calibration's line).
     pub accumulate: Option<u32>,
-    /// Optimizer (predicted by its rule).
+    /// Optimizer (the trials run it; its state by its rule).
     pub optimizer: Option<OptimizerChoice>,
     /// Measure the prediction with a trial at the batch.
     pub check: bool,
