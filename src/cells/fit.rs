@@ -58,9 +58,9 @@ impl<R: Runner> Cells<R> {
         let accumulate = request.accumulate.unwrap_or(1) as u64;
         let rule = request.optimizer.map_or(cell.rule, |choice| choice.rule());
         // The trials run the other optimizer too: its step's time (and temporaries) are its
-        // own, where its rule alone gave the state and the cell's optimizer the time (on the
-        // H100, Adafactor's steps were 20-60% longer than the trials of the cell's optimizer
-        // said, results/gpu/2026-12-05-accumulate/).
+        // own, where its rule alone gave the state and the cell's optimizer the time (on an
+        // H100, the nine Adafactor checks ran 1-80% longer than trials of the cell's optimizer
+        // said, median 26%: results/gpu/2026-12-05-accumulate/).
         let calibrated = Options {
             optimizer: request.optimizer,
             ..request.calibrated.clone()

@@ -639,11 +639,16 @@ fn an_estimate_whose_replay_fails_keeps_the_trials_line() {
 #[test]
 fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
     // Adafactor's steps take three times the cell's Adam's here: the estimate must say so, which
-    // it cannot from trials of Adam.
+    // it cannot from trials of Adam. The model holds one 8192 × 8192 f32 matrix (256 MiB): Adam
+    // keeps 512 MiB of state for it, Adafactor 64 KiB.
     let slow_adafactor = |code: &str| {
         let mut outcome = gpu().answer(code);
         if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
             let mut run: CompareRun = serde_json::from_str(json).unwrap();
+            run.parameters = vec![tchmem_wire::estimate::ParamShape {
+                dims: vec![8192, 8192],
+                element_size: 4,
+            }];
             if code.contains("Adafactor") {
                 run.step_seconds = vec![1.5, 0.3, 0.3];
             }
@@ -675,6 +680,10 @@ fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
         .find(|l| l.contains("step time"))
         .unwrap_or_default();
     assert!(step.contains("300.0"), "{text}");
+    // The trials' peaks hold Adafactor's state already: none is taken off as for a swap from
+    // Adam (which would predict 512 MiB less: 5.0 GiB with the context).
+    assert!(text.contains("Adafactor's rule"), "{text}");
+    assert!(text.contains("fits: 5.5 GiB of"), "{text}");
 }
 
 #[test]

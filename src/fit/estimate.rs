@@ -1202,6 +1202,19 @@ pub(crate) mod tests {
             large.step_time
         );
 
+        // The host's time is the mean of the trials' median steps, not of their fastest: medians
+        // of 17.0 and 31.0 ms give 24.0 ms.
+        calibration.points[0].1.step_seconds = 0.0170;
+        calibration.points[1].1.step_seconds = 0.0310;
+        let medians = calibration
+            .predict(&scenario(32, 1, OptimizerRule::Adam))
+            .unwrap();
+        assert!(
+            (medians.step_seconds - 0.024).abs() < 1e-9,
+            "{:?}",
+            medians.step_time
+        );
+
         // Host-bound and launch-bound at once (steps that barely grew, mnist_conv's: 3.1 and
         // 3.2 ms at 64 and 128 for 0.4 and 0.5 ms of work): the host's reading wins.
         let trials = [(0.0031, 0.0004), (0.0032, 0.0005)];

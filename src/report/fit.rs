@@ -321,9 +321,10 @@ fn prediction_lines(prediction: &Prediction) -> String {
     let why_range = if step_time.host_bound {
         ": bound by the host at the calibration batches (their GPU was idle for over a third of \
          their fastest steps: launches and the loop's own CPU work set their time, which does \
-         not follow the batch): the GPU's work here plus the least time a trial's GPU sat \
-         idle; from their fastest step (or the work, if more) up to their slowest steps' line \
-         or time in proportion to the batch, where the work may take over"
+         not follow the batch): the longer of their mean step (the host's time) and the GPU's \
+         work here, as the host launches ahead of the GPU; from their fastest step (or the \
+         work, if more) up to their slowest steps' line or time in proportion to the batch, \
+         where the work may take over"
     } else if step_time.launch_bound {
         ": launch-bound at the calibration batches (their steps barely grew with the batch): \
          from their fastest step to time in proportion to the batch, where the work may take \
@@ -924,6 +925,10 @@ mod tests {
         let text = prediction_lines(&host_bound);
         assert!(
             text.contains("30.0 ms (30.0-60.0 ms)") && text.contains("bound by the host"),
+            "{text}"
+        );
+        assert!(
+            text.contains("the longer of their mean step (the host's time) and the GPU's work"),
             "{text}"
         );
         assert!(!prediction_lines(&ranged_step).contains("bound by the host"));
