@@ -84,6 +84,16 @@ def outputs(messages, msg_type):
     return [m["content"] for m in messages if m["msg_type"] == msg_type]
 
 
+# What %memestimate shows (as JSON) beside its text.
+ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
+
+
+def displayed(messages, mime):
+    """What `mime` shows: in new displays, or in displays replaced in place (live tables)."""
+    shown = outputs(messages, "display_data") + outputs(messages, "update_display_data")
+    return [d["data"][mime] for d in shown if mime in d["data"]]
+
+
 def stream_text(messages, name="stdout"):
     return "".join(c["text"] for c in outputs(messages, "stream") if c["name"] == name)
 

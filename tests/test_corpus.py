@@ -19,7 +19,7 @@ import nbformat
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from conftest import FIRST_CELL_TIMEOUT, KERNEL_NAME, execute, outputs
+from conftest import ESTIMATE_MIME, FIRST_CELL_TIMEOUT, KERNEL_NAME, displayed, execute
 
 CORPUS = Path(__file__).parent / "corpus"
 TABLE = Path(__file__).parent.parent / "docs" / "corpus.md"
@@ -44,7 +44,6 @@ MAGICS = [
 ]
 # Trials and full runs of a training cell on CPU: the examples' sizes are kept small.
 MAGIC_TIMEOUT = 600
-ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
 F32 = 4
 
 
@@ -183,8 +182,7 @@ def run_example(example):
                 reply, _ = execute(kc, cell, timeout=FIRST_CELL_TIMEOUT if i == 0 else MAGIC_TIMEOUT)
                 assert reply["status"] == "ok", (example, cell, reply)
             reply, messages = execute(kc, "%memestimate", timeout=MAGIC_TIMEOUT)
-            terms = [o["data"][ESTIMATE_MIME] for o in outputs(messages, "display_data")
-                     if ESTIMATE_MIME in o["data"]]
+            terms = displayed(messages, ESTIMATE_MIME)
             terms = terms[0] if reply["status"] == "ok" and terms else None
             results = {}
             for magic in MAGICS:

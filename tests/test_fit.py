@@ -8,9 +8,8 @@ OOM's diagnosis) is tests/test_gpu.py's."""
 import json
 import os
 
-from conftest import execute, outputs, page_text, skip_on_cuda, stream_text
+from conftest import ESTIMATE_MIME, displayed, execute, outputs, page_text, skip_on_cuda, stream_text
 
-ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
 TRIALS_MIME = "application/vnd.tchmem.trials+json"
 
 # 64·256 + 256 + 256·10 + 10 = 19_210 parameters, f32.
@@ -35,11 +34,6 @@ println!("trained at {batch_size}");
 """
 
 
-def displays(messages, mime):
-    return [d["data"][mime] for d in outputs(messages, "display_data") + outputs(messages, "update_display_data")
-            if mime in d["data"]]
-
-
 def test_estimate_fixed_terms_are_the_models_tensor_bytes(kernel):
     _, kc = kernel
     skip_on_cuda(kc)
@@ -47,14 +41,14 @@ def test_estimate_fixed_terms_are_the_models_tensor_bytes(kernel):
     assert reply["status"] == "ok", reply
     # The calibration trials ran the cell at batch sizes the kernel picked (a quarter and a half
     # of 256), shown live in one display updated in place.
-    trials = displays(messages, TRIALS_MIME)
+    trials = displayed(messages, TRIALS_MIME)
     assert trials, messages
     batches = [t["batch"] for t in trials[-1]["trials"]]
     assert batches == [64, 128], trials[-1]
     assert outputs(messages, "update_display_data"), "the trial table is updated in place"
     # The trials' own output is not shown.
     assert "trained at" not in stream_text(messages)
-    (estimate,) = displays(messages, ESTIMATE_MIME)
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
     assert estimate["parameters"] == PARAMETERS
     assert estimate["gradients"] == PARAMETERS
     # Adam: two f32 moments per element (and tchmem's rule counts a 4-byte step per tensor).
@@ -71,11 +65,11 @@ def test_estimate_runs_its_trials_with_the_techniques_beyond_pytorch(kernel):
     reply, messages = execute(
         kc, "%memestimate --batch 64 --checkpoint --offload --step-in-backward\n" + LOOP, timeout=600)
     assert reply["status"] == "ok", reply
-    (estimate,) = displays(messages, ESTIMATE_MIME)
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
     # The trials stepped in backward: the gradients are no fixed term.
     assert estimate["parameters"] == PARAMETERS
     assert estimate["gradients"] == 0, estimate
-    assert any("freed in backward" in text for text in displays(messages, "text/plain")), messages
+    assert any("freed in backward" in text for text in displayed(messages, "text/plain")), messages
     # %%optimize's rules: offload needs --checkpoint.
     reply, _ = execute(kc, "%memestimate --offload\n" + LOOP)
     assert reply["status"] == "error" and "Add --checkpoint" in reply["evalue"], reply
@@ -89,7 +83,7 @@ def test_estimate_alone_acts_on_the_last_training_cell_and_predicts_other_optimi
     assert "trained at 32" in stream_text(messages)
     reply, messages = execute(kc, "%memestimate --optimizer adafactor", timeout=600)
     assert reply["status"] == "ok", reply
-    (estimate,) = displays(messages, ESTIMATE_MIME)
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
     assert "batch_size = 32" in estimate["what"] and "Adafactor" in estimate["what"]
     # Adafactor's factored rule: rows + columns of each matrix, the biases whole.
     assert estimate["optimizer_state"] == (64 + 256 + 256 + 256 + 10 + 10) * 4, estimate
@@ -105,9 +99,9 @@ def test_estimate_per_rank_of_data_parallel_ranks_counts_the_zero_share(kernel):
     reply, messages = execute(kc, "%memestimate --batch 256 --gpus 2 --zero 1\n" + LOOP,
                               timeout=600)
     assert reply["status"] == "ok", reply
-    trials = displays(messages, TRIALS_MIME)
+    trials = displayed(messages, TRIALS_MIME)
     assert [t["batch"] for t in trials[-1]["trials"]] == [32, 64], trials[-1]
-    (estimate,) = displays(messages, ESTIMATE_MIME)
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
     assert estimate["parameters"] == PARAMETERS and estimate["gradients"] == PARAMETERS
     a_weight = 64 * 256 * 4
     assert estimate["optimizer_state"] == 2 * a_weight + 4, estimate

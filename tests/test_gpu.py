@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import execute, outputs, result_text, stream_text
+from conftest import ESTIMATE_MIME, displayed, execute, outputs, result_text, stream_text
 
 pytestmark = pytest.mark.gpu
 
@@ -214,20 +214,14 @@ FIT_LOOP = """{
         opt.backward_step(&loss);
     }
 }"""
-ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
 TRIALS_MIME = "application/vnd.tchmem.trials+json"
-
-
-def shown(messages, mime):
-    return [d["data"][mime] for d in outputs(messages, "display_data") + outputs(messages, "update_display_data")
-            if mime in d["data"]]
 
 
 @pytest.mark.parametrize("flags", ["", "--checkpoint", "--amp bf16", "--accumulate 4"])
 def test_memestimate_predicts_the_measured_peak_within_5_percent(gpu, flags):
     reply, messages = execute(gpu, f"%memestimate --batch 8192 {flags} --check\n{FIT_LOOP}", timeout=600)
     assert reply["status"] == "ok", reply
-    (estimate,) = shown(messages, ESTIMATE_MIME)
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
     predicted, measured = estimate["peak_allocated"], estimate["measured_peak_allocated"]
     assert measured, estimate
     assert abs(predicted - measured) / measured <= 0.05, (flags, predicted, measured)
@@ -251,7 +245,7 @@ def test_memfit_finds_the_largest_batch_under_a_memory_fraction(gpu):
     try:
         reply, messages = execute(gpu, f"%memfit --margin 5%\n{FIT_LOOP}", timeout=600)
         assert reply["status"] == "ok", reply
-        trials = shown(messages, TRIALS_MIME)[-1]["trials"]
+        trials = displayed(messages, TRIALS_MIME)[-1]["trials"]
         assert len(trials) <= 8, trials
         fits = [t["batch"] for t in trials if t["verdict"] == "fits"]
         misses = [t["batch"] for t in trials if t["verdict"] != "fits"]
@@ -277,7 +271,7 @@ def test_fit_picks_the_fastest_combination_that_fits(gpu):
     budget = int(result_text(messages)) + (5 << 29)
     reply, messages = execute(gpu, f"%%optimize --fit {budget} --show\n{FIT_LOOP}", timeout=900)
     assert reply["status"] == "ok", (reply.get("evalue"), stream_or_display_text(messages)[-4000:])
-    (summary,) = [d for d in shown(messages, TRIALS_MIME) if "confirmed" in d]
+    (summary,) = [d for d in displayed(messages, TRIALS_MIME) if "confirmed" in d]
     confirmed = summary["confirmed"]
     fitting = [c for c in confirmed if c["fits"]]
     assert fitting, confirmed

@@ -4,7 +4,7 @@ real kernel: it compiles and runs as it would in a `main.rs` of edition 2021."""
 import platform
 
 import pytest
-from conftest import execute, outputs, result_text, stream_text
+from conftest import ESTIMATE_MIME, displayed, execute, outputs, result_text, stream_text
 
 # A model part the way tch-rs's examples build them: a function taking `&nn::Path` and returning
 # `impl ModuleT` (edition 2021 code: the return type does not capture the path's lifetime).
@@ -184,13 +184,6 @@ SPLIT_LOOP = """for _ in 0..3 {
     opt.backward_step(&loss);
 }"""
 COMPARISON_MIME = "application/vnd.tchmem.comparison+json"
-ESTIMATE_MIME = "application/vnd.tchmem.estimate+json"
-
-
-def displayed(messages, mime):
-    """What `mime` shows: in new displays, or in displays replaced in place (live tables)."""
-    shown = outputs(messages, "display_data") + outputs(messages, "update_display_data")
-    return [d["data"][mime] for d in shown if mime in d["data"]]
 
 
 def test_a_loop_over_a_model_of_earlier_cells_is_compared_and_estimated_and_left_as_it_was(kernel):

@@ -127,6 +127,14 @@ impl FakeRunner {
     fn on(gpu: Gpu) -> FakeRunner {
         FakeRunner::new(move |code| gpu.answer(code))
     }
+
+    /// The trials it ran (the cells that begin a compare run), in order.
+    fn trials(&self) -> Vec<&String> {
+        self.ran
+            .iter()
+            .filter(|code| code.contains("tchmem::compare::begin"))
+            .collect()
+    }
 }
 
 impl Runner for FakeRunner {
@@ -285,9 +293,8 @@ fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
     // Each trial ran the cell at the batch it was asked for.
     let trials: Vec<u64> = cells
         .runner
-        .ran
-        .iter()
-        .filter(|code| code.contains("tchmem::compare::begin"))
+        .trials()
+        .into_iter()
         .map(|code| batch_of(code))
         .collect();
     assert_eq!(trials, [8, 8, 8, 8]);
@@ -323,12 +330,7 @@ fn memfit_follows_the_batch_optimizer_and_model_back_to_their_cells() {
         text.contains("Use it:  const BATCH_SIZE: i64 = 99; (in cell [1])"),
         "{text}"
     );
-    let trials: Vec<&String> = cells
-        .runner
-        .ran
-        .iter()
-        .filter(|code| code.contains("tchmem::compare::begin"))
-        .collect();
+    let trials = cells.runner.trials();
     assert!(!trials.is_empty());
     for trial in trials {
         // A fresh optimizer from cell [2] and the model's store kept and put back.
@@ -404,12 +406,7 @@ fn memfit_finds_the_largest_batch_the_simulated_allocator_takes() {
         text.contains(&format!("let batch_size = {best};")),
         "{text}"
     );
-    let trials = cells
-        .runner
-        .ran
-        .iter()
-        .filter(|code| code.contains("tchmem::compare::begin"))
-        .count();
+    let trials = cells.runner.trials().len();
     assert!(trials <= 8, "{trials} trials");
     // Each trial's live view showed under the magic's cell, saying which trial it was; the
     // trials' own output did not.
@@ -663,12 +660,7 @@ fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
         shown.io(),
     );
     assert_eq!(outcome.error, None, "{}", shown.all());
-    let trials: Vec<&String> = cells
-        .runner
-        .ran
-        .iter()
-        .filter(|code| code.contains("tchmem::compare::begin"))
-        .collect();
+    let trials = cells.runner.trials();
     assert_eq!(trials.len(), 2, "{trials:?}");
     assert!(
         trials.iter().all(|code| code.contains("Adafactor")),

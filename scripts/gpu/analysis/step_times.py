@@ -36,9 +36,9 @@ def host_bound(trials):
 
 def host_bound_points(trials, micro, accumulate):
     """Two points for host-bound trials, from the table's steps, per micro-batch (the optimizer
-    step each repeats included): the kernel's (src/fit/estimate.rs, host_bound_step) since
-    the last change of 2026-12-05, the longer of the trials' mean step (the host's time) and the work's line at the
-    batch; and the rule before it, the work plus the least idle time."""
+    step each repeats included): the kernel's (src/fit/estimate.rs, host_bound_step) since the
+    last change of 2026-12-05, the longer of the trials' mean step (the host's time) and the
+    work's line at the batch; and the rule before it, the work plus the least idle time."""
     (b1, _, g1), (b2, _, g2) = trials[0], trials[-1]
     work = g1 + (g2 - g1) / (b2 - b1) * (micro - b1) if b2 != b1 else g2 * micro / b2
     host = statistics.mean(wall for _, wall, _ in trials)
