@@ -5,12 +5,14 @@
 use super::optimize::code_display;
 use super::trial::{TrainingCell, TrialError, TRIAL_STEPS};
 use super::{display_sink, fail, Cells, Runner};
-use crate::fit::candidates::{self, Base, Candidate};
+use crate::fit::candidates::{self, Base, Candidate, Optimizers};
 use crate::fit::estimate::Calibration;
 use crate::fit::trial::Trial;
 use crate::magics::optimize::{FitTarget, OptimizeRequest};
 use crate::magics::CellMagicSource;
-use crate::report::fit::{fit_summary, fits_in, name_of, verdict_of_fit, LiveTable};
+use crate::report::fit::{
+    fit_summary, fits_in, name_of, verdict_of_fit, verdict_of_optimizer_timing, LiveTable,
+};
 use crate::report::format::human_bytes;
 use crate::rewrite::earlier::Wanted;
 use crate::rewrite::{self, Options};
@@ -70,12 +72,15 @@ impl<R: Runner> Cells<R> {
             Ok(calibrations) => calibrations,
             Err(stopped) => return *stopped,
         };
-        let rule = cell.rule;
+        let optimizers = match self.time_swaps(&cell, &calibrations, &mut table, &mut notes) {
+            Ok(optimizers) => optimizers,
+            Err(stopped) => return *stopped,
+        };
         let begin = calibrations
             .first()
             .and_then(|(_, c)| c.points.first())
             .map_or(0, |(_, m)| m.begin);
-        let ranked = candidates::ranked(&calibrations, &rule, batch, begin, budget, context);
+        let ranked = candidates::ranked(&calibrations, &optimizers, batch, begin, budget, context);
         let budget = Budget {
             bytes: budget,
             context,
@@ -206,6 +211,63 @@ impl<R: Runner> Cells<R> {
         Ok(calibrations)
     }
 
+    /// Times each leaner optimizer's step against the cell's, so that candidates that swap it
+    /// in are ranked at their own time (on an H100 Adafactor's steps ran 1-80% longer than the
+    /// cell's optimizer's time said): one trial of each at the first calibration's smaller batch
+    /// under its rewrites, whose optimizer step is compared with that calibration trial's (an
+    /// optimizer's step does not grow with the batch). A swap the rewrite refuses is left out;
+    /// one that was not timed keeps the cell's time; each is noted.
+    fn time_swaps(
+        &mut self,
+        cell: &TrainingCell,
+        calibrations: &[(Base, Calibration)],
+        table: &mut LiveTable,
+        notes: &mut Vec<String>,
+    ) -> Result<Optimizers, Box<CellOutcome>> {
+        let mut optimizers = Optimizers::untimed(cell.rule);
+        let first = calibrations
+            .first()
+            .and_then(|(base, c)| Some((base, c.points.first()?)));
+        let Some((base, (batch, measured))) = first else {
+            return Ok(optimizers);
+        };
+        let Some(own) = measured.optimizer_step_seconds else {
+            notes.push(
+                "The leaner optimizers are ranked at the cell's optimizer's step time: its \
+                 trials did not time the optimizer's step (the loop marks none, or ends first)."
+                    .into(),
+            );
+            return Ok(optimizers);
+        };
+        let mut kept = Vec::new();
+        for mut swap in optimizers.swaps {
+            let options = Options {
+                optimizer: Some(swap.choice),
+                ..base.options()
+            };
+            let trial = match self.trial(cell, &options, *batch, TRIAL_STEPS) {
+                Ok(trial) => trial,
+                Err(TrialError::Stopped(outcome)) => return Err(outcome),
+                Err(TrialError::Refused(refusal)) => {
+                    notes.push(format!(
+                        "--optimizer {}: not applicable ({refusal})",
+                        swap.choice.flag_value()
+                    ));
+                    continue;
+                }
+            };
+            table.push(&trial, &verdict_of_optimizer_timing(&trial, own));
+            swap.added_seconds = trial
+                .outcome
+                .measured()
+                .and_then(|m| m.optimizer_step_seconds)
+                .map(|step| step - own);
+            kept.push(swap);
+        }
+        optimizers.swaps = kept;
+        Ok(optimizers)
+    }
+
     /// Shows the chosen configuration under the table and runs it (the rewritten loop with its
     /// code shown, or the loop as written); `--show` stops before running.
     fn run_winner(
@@ -287,7 +349,7 @@ fn fitting_line(ranked: &[Candidate], budget: u64) -> String {
 }
 
 /// The `n` fastest candidates predicted to fit, preferring ones that differ in more than the
-/// optimizer (the estimator predicts the same step time whatever the optimizer, so trials of
+/// optimizer (a swap changes the step by its optimizer's step, timed once, so trials of
 /// several optimizers on one base tell less than trials of several bases), and among those, the
 /// ones that fit at the high end of their peak reserved range before those that fit at its point
 /// only. A trial confirms each: a point-only candidate costs a trial at most, and may be the

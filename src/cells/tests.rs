@@ -499,6 +499,68 @@ fn optimize_fit_runs_the_fastest_configuration_that_fits_the_budget() {
     assert_eq!(batch_of(last), 64, "the cell's own batch runs");
 }
 
+/// A GPU whose trials time their optimizer step (5 ms for the cell's Adam) where `timed`, and
+/// where Lion steps, 40 ms shorter steps.
+fn gpu_with_a_fast_lion(timed: bool) -> impl FnMut(&str) -> CellOutcome {
+    move |code: &str| {
+        let mut outcome = gpu().answer(code);
+        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
+            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+            let lion = code.contains("Lion");
+            if lion {
+                run.step_seconds = vec![0.5, 0.06, 0.06];
+            }
+            if timed {
+                run.optimizer_step_seconds = vec![if lion { 0.001 } else { 0.005 }];
+            }
+            *json = serde_json::to_string(&run).unwrap();
+        }
+        outcome
+    }
+}
+
+#[test]
+fn optimize_fit_times_each_swapped_optimizer_before_it_ranks_them() {
+    // Everything fits in 20 GiB; only Lion's step is faster, which the calibration trials (all
+    // Adam) cannot show. Timed at the smaller calibration batch, it ranks first and wins.
+    let mut cells = cells(FakeRunner::new(gpu_with_a_fast_lion(true)));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%%optimize --fit 20GiB\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let text = shown.all();
+    assert!(
+        text.contains("optimizer step 1.0 ms (the cell's 5.0 ms)"),
+        "{text}"
+    );
+    let trials = cells.runner.trials();
+    let swapped = trials
+        .iter()
+        .filter(|code| {
+            ["Lion", "Adafactor", "AdamW8bit"]
+                .iter()
+                .any(|name| code.contains(&format!("tchmem::optim::{name}")))
+        })
+        .collect::<Vec<_>>();
+    assert!(swapped.len() >= 3, "{swapped:?}");
+    assert_eq!(
+        batch_of(swapped[0]),
+        16,
+        "timed at the smaller calibration batch"
+    );
+    let last = cells.runner.ran.last().unwrap();
+    assert!(last.contains("tchmem::optim::Lion"), "{last}");
+    assert_eq!(batch_of(last), 64);
+
+    // Without the optimizer's time, the swaps tie with the cell's optimizer: the loop as written
+    // wins (fewest rewrites), and the table says why the swaps were not timed.
+    let mut cells = self::cells(FakeRunner::new(gpu_with_a_fast_lion(false)));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%%optimize --fit 20GiB\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    assert!(shown.all().contains("The loop fits as written."));
+    assert!(shown.all().contains("did not time the optimizer's step"));
+}
+
 #[test]
 fn a_magic_mistake_is_explained_and_runs_nothing() {
     let mut cells = cells(FakeRunner::on(gpu()));

@@ -65,6 +65,45 @@ pub const OPTIMIZERS: [(OptimizerChoice, OptimizerRule); 3] = [
     (OptimizerChoice::Lion, OptimizerRule::Lion),
 ];
 
+/// A leaner optimizer `--fit` may swap in, and what its step adds to a step's time where a
+/// trial timed it against the cell's own (the calibration trials all run the cell's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Swap {
+    /// The optimizer the rewrite puts in.
+    pub choice: OptimizerChoice,
+    /// Its state's rule.
+    pub rule: OptimizerRule,
+    /// Seconds its step takes more than the cell's optimizer's (fewer where negative), once per
+    /// step; `None` where no trial timed both (the prediction keeps the cell's optimizer's time).
+    pub added_seconds: Option<f64>,
+}
+
+/// The optimizers `--fit` ranks: the cell's own, and the swaps it may make.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Optimizers {
+    /// The rule of the cell's optimizer.
+    pub cell: OptimizerRule,
+    /// The leaner ones that apply.
+    pub swaps: Vec<Swap>,
+}
+
+impl Optimizers {
+    /// The cell's optimizer and every leaner one of [`OPTIMIZERS`], none timed.
+    pub fn untimed(cell: OptimizerRule) -> Optimizers {
+        Optimizers {
+            cell,
+            swaps: OPTIMIZERS
+                .iter()
+                .map(|&(choice, rule)| Swap {
+                    choice,
+                    rule,
+                    added_seconds: None,
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Micro-batch counts `--fit` tries.
 pub const ACCUMULATE: [u64; 5] = [1, 2, 4, 8, 16];
 
@@ -98,13 +137,14 @@ impl Candidate {
 }
 
 /// Every combination of the calibrated bases with accumulation (up to the batch) and the
-/// optimizers (the cell's own, and the leaner ones), predicted at `batch` and ranked: those
+/// optimizers (the cell's own, and the swaps, each with its step's time where it was timed),
+/// predicted at `batch` and ranked: those
 /// whose predicted peak reserved plus `context` stays within `budget` even at the high end of
 /// its range first, then those that fit at the point only, each fastest first (within 2%, the one
 /// with fewer rewrites and the cell's own optimizer first); then the rest, smallest peak first.
 pub fn ranked(
     calibrations: &[(Base, Calibration)],
-    cell_rule: &OptimizerRule,
+    optimizers: &Optimizers,
     batch: u64,
     begin: u64,
     budget: u64,
@@ -112,9 +152,11 @@ pub fn ranked(
 ) -> Vec<Candidate> {
     let mut all = Vec::new();
     for (base, calibration) in calibrations {
-        let optimizers = std::iter::once((None, *cell_rule))
-            .chain(OPTIMIZERS.iter().map(|(c, r)| (Some(*c), *r)));
-        for (choice, rule) in optimizers {
+        let swaps = optimizers
+            .swaps
+            .iter()
+            .map(|s| (Some(s.choice), s.rule, s.added_seconds));
+        for (choice, rule, added) in std::iter::once((None, optimizers.cell, None)).chain(swaps) {
             // Stepping in backward frees each gradient at once: nothing to accumulate into.
             let accumulates = |k: u64| k == 1 || !base.lean;
             for &k in ACCUMULATE.iter().filter(|&&k| k <= batch && accumulates(k)) {
@@ -125,9 +167,12 @@ pub fn ranked(
                     begin,
                     zero_ranks: None,
                 };
-                let Some(prediction) = calibration.predict(&scenario) else {
+                let Some(mut prediction) = calibration.predict(&scenario) else {
                     continue;
                 };
+                if let Some(added) = added {
+                    prediction = prediction.with_optimizer_step_added(added);
+                }
                 let options = Options {
                     accumulate: (k > 1).then_some(k as u32),
                     optimizer: choice,
@@ -215,6 +260,11 @@ mod tests {
         }
     }
 
+    /// Adam in the cell, every leaner optimizer untimed.
+    fn adam() -> Optimizers {
+        Optimizers::untimed(OptimizerRule::Adam)
+    }
+
     fn recorded() -> Vec<(Base, Calibration)> {
         let all = Base::all();
         let [plain, checkpoint, bf16, both] = [all[0], all[1], all[2], all[3]];
@@ -229,13 +279,13 @@ mod tests {
     #[test]
     fn the_fastest_fitting_combination_ranks_first() {
         // Everything fits in a large budget: bf16 alone is the fastest.
-        let all = ranked(&recorded(), &OptimizerRule::Adam, 64, 0, 1 << 40, 0);
+        let all = ranked(&recorded(), &adam(), 64, 0, 1 << 40, 0);
         assert!(all.iter().all(|c| c.fits));
         assert_eq!(all[0].options.flags(), "--amp bf16");
         // The loop as written needs ~270 MiB at batch 64; with 200 MiB, bf16 alone does not fit
         // (~170 MiB + cache): the ranking takes the fastest that does.
         let budget = 200 * MIB;
-        let all = ranked(&recorded(), &OptimizerRule::Adam, 64, 0, budget, 0);
+        let all = ranked(&recorded(), &adam(), 64, 0, budget, 0);
         let first = &all[0];
         assert!(first.fits, "{first:?}");
         assert!(first.prediction.peak_reserved <= budget);
@@ -255,8 +305,53 @@ mod tests {
             .windows(2)
             .all(|w| w[0].prediction.peak_reserved <= w[1].prediction.peak_reserved));
         // Accumulation is only tried up to the batch.
-        let small = ranked(&recorded(), &OptimizerRule::Adam, 2, 0, budget, 0);
+        let small = ranked(&recorded(), &adam(), 2, 0, budget, 0);
         assert!(small.iter().all(|c| c.options.accumulate.unwrap_or(1) <= 2));
+    }
+
+    #[test]
+    fn a_swapped_optimizer_is_ranked_at_the_time_its_own_step_was_measured_to_take() {
+        let step = |all: &[Candidate], flags: &str| {
+            all.iter()
+                .find(|c| c.options.flags() == flags)
+                .map(|c| c.prediction.step_seconds)
+                .unwrap()
+        };
+        // Untimed, a swap takes the cell's optimizer's time: bf16 with Adam ranks first (fewer
+        // rewrites at the same time).
+        let untimed = ranked(&recorded(), &adam(), 64, 0, 1 << 40, 0);
+        assert_eq!(untimed[0].options.flags(), "--amp bf16");
+        let bf16 = step(&untimed, "--amp bf16");
+        assert_eq!(step(&untimed, "--amp bf16 --optimizer lion"), bf16);
+        // Lion's step measured 10 ms shorter, Adafactor's 25 ms longer.
+        let mut timed = adam();
+        for swap in &mut timed.swaps {
+            swap.added_seconds = match swap.choice {
+                OptimizerChoice::Lion => Some(-0.010),
+                OptimizerChoice::Adafactor => Some(0.025),
+                _ => None,
+            };
+        }
+        let all = ranked(&recorded(), &timed, 64, 0, 1 << 40, 0);
+        assert_eq!(all[0].options.flags(), "--amp bf16 --optimizer lion");
+        let lion = step(&all, "--amp bf16 --optimizer lion");
+        assert!((lion - (bf16 - 0.010)).abs() < 1e-9, "{lion} {bf16}");
+        // Once per step, however many micro-batches: the optimizer steps once.
+        let four = step(&all, "--amp bf16 --accumulate 4");
+        let adafactor_four = step(&all, "--amp bf16 --accumulate 4 --optimizer adafactor");
+        assert!((adafactor_four - four - 0.025).abs() < 1e-9);
+        let untimed_8bit = step(&untimed, "--optimizer adamw8bit");
+        assert_eq!(step(&all, "--optimizer adamw8bit"), untimed_8bit);
+        // The range moves with the point.
+        let range = |flags: &str| {
+            let c = all.iter().find(|c| c.options.flags() == flags).unwrap();
+            (c.prediction.step_time.low, c.prediction.step_time.high)
+        };
+        let (low, high) = range("--amp bf16");
+        let (lion_low, lion_high) = range("--amp bf16 --optimizer lion");
+        assert!(
+            (lion_low - (low - 0.010)).abs() < 1e-9 && (lion_high - (high - 0.010)).abs() < 1e-9
+        );
     }
 
     #[test]
@@ -267,7 +362,7 @@ mod tests {
         let mut bases = recorded();
         let (_, small) = &mut bases[2].1.points[0];
         small.peak_reserved = small.peak_allocated * 2;
-        let roomy = ranked(&bases, &OptimizerRule::Adam, 64, 0, 1 << 40, 0);
+        let roomy = ranked(&bases, &adam(), 64, 0, 1 << 40, 0);
         let bf16 = |all: &[Candidate]| {
             all.iter()
                 .find(|c| c.options.flags() == "--amp bf16")
@@ -278,7 +373,7 @@ mod tests {
         assert!(high > point + point / 2, "{point} {high}");
         // A budget between its point and its high end.
         let budget = bf16(&roomy).prediction.peak_reserved + MIB;
-        let all = ranked(&bases, &OptimizerRule::Adam, 64, 0, budget, 0);
+        let all = ranked(&bases, &adam(), 64, 0, budget, 0);
         let unsure = bf16(&all);
         assert!(unsure.fits && !unsure.fits_at_high, "{unsure:?}");
         let first = &all[0];
@@ -300,14 +395,7 @@ mod tests {
             lean.options().flags(),
             "--checkpoint --amp bf16 --offload --fused-loss --step-in-backward"
         );
-        let ranked = ranked(
-            &[(lean, calibration(0.1, 0.9))],
-            &OptimizerRule::Adam,
-            64,
-            0,
-            1 << 40,
-            0,
-        );
+        let ranked = ranked(&[(lean, calibration(0.1, 0.9))], &adam(), 64, 0, 1 << 40, 0);
         // The cell's optimizer and the three leaner ones, each without accumulation.
         assert_eq!(ranked.len(), 4);
         assert!(ranked.iter().all(|c| c.options.accumulate.is_none()));

@@ -534,6 +534,26 @@ pub fn fits_in(trial: &Trial, budget: u64, context: u64) -> bool {
         .is_some_and(|m| m.peak_reserved + context <= budget)
 }
 
+/// The verdict of `--fit`'s trial of a leaner optimizer: its step's time beside the cell's
+/// optimizer's (`own`, in the calibration trial at the same batch), or why it has none.
+pub fn verdict_of_optimizer_timing(trial: &Trial, own: f64) -> String {
+    match trial
+        .outcome
+        .measured()
+        .and_then(|m| m.optimizer_step_seconds)
+    {
+        Some(step) => format!(
+            "optimizer step {:.1} ms (the cell's {:.1} ms)",
+            step * 1e3,
+            own * 1e3
+        ),
+        None if trial.outcome.measured().is_some() => {
+            "optimizer step not timed: ranked at the cell's".into()
+        }
+        None => format!("{}: ranked at the cell's", verdict_of(&trial.outcome)),
+    }
+}
+
 /// A confirmation's verdict in `--fit`'s table.
 pub fn verdict_of_fit(trial: &Trial) -> String {
     match &trial.outcome {
