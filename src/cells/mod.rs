@@ -18,7 +18,7 @@ mod tests;
 mod trial;
 
 use std::collections::{BTreeMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use crate::session::Runner;
@@ -27,7 +27,8 @@ pub use memprofile::snapshot_dir;
 use crate::cell_syntax;
 use crate::magics::{self, CellMagic, Magic, MagicReply, ProfileMode};
 use crate::report;
-use crate::rewrite::{self, earlier::Assembled, earlier::EarlierCell, earlier::Wanted};
+use crate::rewrite::earlier::{Assembled, EarlierCell, LibraryModule, Wanted};
+use crate::rewrite::{self};
 use crate::session::{
     CellError, CellIo, CellOutcome, CellOutput, ErrorName, OutputSink, StreamName,
 };
@@ -62,6 +63,30 @@ pub struct Cells<R> {
     cell_output: Option<OutputSink>,
     /// The ranks that run `%%distributed` cells, once one ran.
     world: Option<distributed::World<R>>,
+}
+
+/// The module `module` (`tch::vision::resnet`) of a dependency of the cells, read from the
+/// sources the runner knows for it (`src/vision/resnet.rs` or `src/vision/resnet/mod.rs`).
+fn library_module(runner: &impl Runner, module: &[String]) -> Option<LibraryModule> {
+    let (krate, inner) = module.split_first()?;
+    if inner.is_empty() {
+        return None;
+    }
+    let source = runner.dependency_source(krate)?;
+    let relative = inner.join("/");
+    [format!("{relative}.rs"), format!("{relative}/mod.rs")]
+        .into_iter()
+        .find_map(|file| {
+            let path = source.join(&file);
+            let code = std::fs::read_to_string(&path).ok()?;
+            // Named from the package's folder (`tch-0.24.0/src/vision/resnet.rs`).
+            let package = source.parent().and_then(|p| p.file_name());
+            let shown = package.map_or(path.clone(), |p| Path::new(p).join("src").join(&file));
+            Some(LibraryModule {
+                file: shown.display().to_string(),
+                code,
+            })
+        })
 }
 
 /// Where a report's displays go: the cell's output.
@@ -156,7 +181,8 @@ impl<R: Runner> Cells<R> {
 
     /// `code` with what `wanted` from the cells that ran before in front of it.
     fn assemble(&self, code: &str, wanted: Wanted) -> Assembled {
-        rewrite::earlier::assemble(code, &self.history, wanted)
+        let sources = |module: &[String]| library_module(&self.runner, module);
+        rewrite::earlier::assemble_with(code, &self.history, wanted, &sources)
     }
 
     /// Runs one cell: its magics, then its code, then records its memory.

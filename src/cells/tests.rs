@@ -111,6 +111,8 @@ struct FakeRunner {
     variables: Vec<(String, String)>,
     /// The ranks of each world started from this runner.
     worlds: Vec<usize>,
+    /// The `src/` folders of the dependencies it knows.
+    sources: std::collections::HashMap<String, std::path::PathBuf>,
 }
 
 impl FakeRunner {
@@ -121,6 +123,7 @@ impl FakeRunner {
             generation: 0,
             variables: Vec::new(),
             worlds: Vec::new(),
+            sources: Default::default(),
         }
     }
 
@@ -152,6 +155,10 @@ impl Runner for FakeRunner {
 
     fn has_runtime(&self) -> bool {
         true
+    }
+
+    fn dependency_source(&self, krate: &str) -> Option<std::path::PathBuf> {
+        self.sources.get(krate).cloned()
     }
 
     fn process_generation(&self) -> u64 {
@@ -353,6 +360,92 @@ fn memfit_follows_the_batch_optimizer_and_model_back_to_their_cells() {
         "{text}"
     );
     assert!(text.contains("tchmem::optim::Lion"), "{text}");
+}
+
+#[test]
+fn a_model_a_librarys_function_builds_is_checkpointed_from_the_librarys_source() {
+    // A library `tch` whose `vision::tiny` module builds its model with nn::seq_t(), as
+    // tch::vision's models do.
+    let library = std::env::temp_dir().join(format!("tchmem-library-{}", std::process::id()));
+    let module = library.join("tch-0.24.0/src/vision");
+    std::fs::create_dir_all(&module).unwrap();
+    std::fs::write(
+        module.join("tiny.rs"),
+        "//! A tiny model.\nuse crate::nn;\n\
+         fn block(p: nn::Path, c: i64) -> impl nn::ModuleT {\n    \
+         nn::seq_t().add(nn::linear(&p / \"l\", c, c, Default::default())).add_fn(|x| x.relu())\n}\n\
+         pub fn tiny(p: &nn::Path, c: i64) -> nn::SequentialT {\n    \
+         nn::seq_t().add(block(p / \"b0\", c)).add(block(p / \"b1\", c))\n}\n",
+    )
+    .unwrap();
+    let mut runner = FakeRunner::on(gpu());
+    runner
+        .sources
+        .insert("tch".into(), library.join("tch-0.24.0/src"));
+    let mut cells = cells(runner);
+    let shown = Shown::default();
+    let earlier = [
+        "const BATCH_SIZE: i64 = 64;",
+        "use tch::{nn, nn::ModuleT, nn::OptimizerConfig, Device, Kind, Tensor};\n\
+         use tch::vision::tiny;\n\
+         let vs = nn::VarStore::new(Device::Cuda(0));\n\
+         let net = tiny::tiny(&vs.root(), 64);\n\
+         let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();",
+    ];
+    for cell in earlier {
+        assert_eq!(cells.execute(cell, shown.io()).error, None);
+    }
+    let training = SPLIT_LOOP.replace("model.forward(&xs)", "net.forward_t(&xs, true)");
+    let outcome = cells.execute(
+        &format!("%%optimize --checkpoint --show\n{training}"),
+        shown.io(),
+    );
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let text = shown.all();
+    assert!(
+        text.contains(
+            "the model `net` is built in cell [2] by `tch::vision::tiny::tiny` \
+             (tch-0.24.0/src/vision/tiny.rs)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("mod __tchmem_tiny {"), "{text}");
+    assert!(
+        text.contains("__tchmem_tiny::tiny(&vs.root(), 64)"),
+        "{text}"
+    );
+    // Both builders of the module, and the change line's (the only nn::seq_t() left).
+    assert_eq!(
+        text.matches("tchmem::checkpoint::seq_t()").count(),
+        3,
+        "{text}"
+    );
+    assert_eq!(text.matches("nn::seq_t()").count(), 1, "{text}");
+    assert!(text.contains("use tch::nn;"), "{text}");
+    // One line for the builders brought in, however many they are.
+    assert_eq!(
+        text.matches("`net` (from cell [2]): --checkpoint").count(),
+        1,
+        "{text}"
+    );
+    // Without the library's sources, the refusal says how to get the same by hand.
+    let mut cells = self::cells(FakeRunner::on(gpu()));
+    for cell in earlier {
+        assert_eq!(cells.execute(cell, shown.io()).error, None);
+    }
+    let outcome = cells.execute(
+        &format!("%%optimize --checkpoint --show\n{training}"),
+        shown.io(),
+    );
+    let error = outcome.error.expect("refused");
+    assert!(
+        error
+            .evalue
+            .contains("a function the notebook did not define"),
+        "{}",
+        error.evalue
+    );
+    std::fs::remove_dir_all(&library).unwrap();
 }
 
 #[test]

@@ -223,9 +223,10 @@ fn why_not(model: &ModelOrigin) -> String {
         ),
         ModelKind::Library { function } => format!(
             "`{name}` (cell [{run}]): it is built by `{function}`, a function the notebook did \
-             not define, whose layers are out of reach. Paste the function's code into a cell \
-             (tch's vision models build theirs with nn::seq_t(), which --checkpoint rewrites in \
-             functions of earlier cells)."
+             not define, whose source was not found among the cells' dependencies or builds no \
+             nn::seq() or nn::seq_t(). Paste the function's code into a cell, its layers in \
+             nn::seq_t() (as tch::vision's models, which --checkpoint rebuilds from tch's \
+             source)."
         ),
     }
 }

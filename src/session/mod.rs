@@ -8,6 +8,7 @@ mod closures;
 mod completion;
 mod context;
 pub mod control;
+mod dependency_sources;
 pub mod errors;
 mod infer;
 mod keep;
@@ -77,6 +78,8 @@ pub struct Session {
     control: Arc<Control>,
     /// How this session was set up (a `%%distributed` world is set up from it).
     config: EngineConfig,
+    /// Where the cells' dependencies keep their sources, as asked so far.
+    dependency_sources: dependency_sources::DependencySources,
 }
 
 impl Session {
@@ -94,6 +97,7 @@ impl Session {
             cell_build: None,
             control,
             config: config.clone(),
+            dependency_sources: Default::default(),
         };
         match create_context(&config) {
             Ok((context, outputs)) => {
@@ -448,6 +452,10 @@ impl Runner for Session {
 
     fn has_runtime(&self) -> bool {
         self.child_setup.is_some()
+    }
+
+    fn dependency_source(&self, krate: &str) -> Option<std::path::PathBuf> {
+        self.dependency_sources.of(&self.workdir, krate)
     }
 
     fn process_generation(&self) -> u64 {

@@ -14,6 +14,10 @@ pub trait Runner {
     /// Whether tchmem's runtime is loaded where cells run (watching, recording, trials need it).
     fn has_runtime(&self) -> bool;
 
+    /// The `src/` folder of the cells' dependency `krate` (`tch`), where its sources are at
+    /// hand: `--checkpoint` reads a library's model there.
+    fn dependency_source(&self, krate: &str) -> Option<std::path::PathBuf>;
+
     /// Changes whenever a new process replaced the one running cells (its variables are gone).
     fn process_generation(&self) -> u64;
 

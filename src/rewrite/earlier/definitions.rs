@@ -24,6 +24,8 @@ pub(super) struct Live {
     /// The types that implement `Module` or `ModuleT` or have a forward method of their own,
     /// with the cell of the newest such impl.
     pub(super) module_types: HashMap<String, usize>,
+    /// What each name the cells' `use` lines import stands for (the newest cell's).
+    pub(super) imports: HashMap<String, Vec<String>>,
 }
 
 impl Live {
@@ -33,8 +35,12 @@ impl Live {
             values: HashMap::new(),
             functions: HashMap::new(),
             module_types: HashMap::new(),
+            imports: HashMap::new(),
         };
         for earlier in earlier.iter().rev() {
+            for (name, path) in super::library::imports(&earlier.code) {
+                live.imports.entry(name).or_insert(path);
+            }
             for module_type in module_impls(&earlier.code) {
                 live.module_types.entry(module_type).or_insert(earlier.run);
             }

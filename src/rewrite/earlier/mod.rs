@@ -20,6 +20,7 @@
 //! model `%memestimate` counts before any loop.
 
 mod definitions;
+mod library;
 mod model;
 
 use std::collections::HashSet;
@@ -28,7 +29,9 @@ use super::{Change, Refusal};
 use definitions::{all_names, free_names, Defined, Live};
 
 pub(super) use definitions::names_in as identifiers;
-use model::{model_origin, rebuilt_model};
+use model::{model_origin, rebuilt_library_model, rebuilt_model};
+
+pub use library::{LibraryModule, ModuleSources};
 
 pub use model::{live_model, LiveModel, ModelKind, ModelOrigin};
 
@@ -63,6 +66,9 @@ pub struct Rebuilt {
     pub what: Brought,
     /// Its statement, as written there.
     pub code: String,
+    /// For a model built by a library's function: the function and the file its module was
+    /// brought in from (`` `tch::vision::resnet::resnet18` (tch-0.24.0/src/vision/resnet.rs) ``).
+    pub library: Option<String>,
 }
 
 /// A function of an earlier cell that the cell calls, directly or through another: the rewriter
@@ -178,11 +184,22 @@ impl Assembled {
                     rebuilt.name, rebuilt.run
                 ),
                 Brought::Model => format!(
-                    "the model `{}` is built in cell [{}] by functions of earlier cells: \
-                     rebuilt here with them, on a VarStore of its own into which the \
-                     notebook's weights are copied (the rebuilt model, its store and the \
-                     optimizer replace the notebook's where the cell's variables are kept)",
-                    rebuilt.name, rebuilt.run
+                    "the model `{}` is built in cell [{}] by {}: rebuilt here with {}, on a \
+                     VarStore of its own into which the notebook's weights are copied (the \
+                     rebuilt model, its store and the optimizer replace the notebook's where \
+                     the cell's variables are kept)",
+                    rebuilt.name,
+                    rebuilt.run,
+                    rebuilt
+                        .library
+                        .as_deref()
+                        .unwrap_or("functions of earlier cells"),
+                    if rebuilt.library.is_some() {
+                        "its module's source as a module of the trial's code (the same \
+                         variables under the same names)"
+                    } else {
+                        "them"
+                    }
                 ),
             })
             .collect()
@@ -209,14 +226,31 @@ impl Assembled {
                 },
                 None => change,
             };
-            out.push(moved);
+            // Builders brought in from one definition say the same once.
+            if !out.contains(&moved) {
+                out.push(moved);
+            }
         }
         out
     }
 }
 
-/// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it.
+/// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it, no
+/// library's sources at hand (the rewriter's tests).
+#[cfg(test)]
 pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assembled {
+    assemble_with(cell, earlier, wanted, &|_| None)
+}
+
+/// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it; a
+/// model built by a library's function may be rebuilt from its module's source, read by
+/// `sources`.
+pub fn assemble_with(
+    cell: &str,
+    earlier: &[EarlierCell],
+    wanted: Wanted,
+    sources: ModuleSources<'_>,
+) -> Assembled {
     let all = Live::of(earlier);
     let live = &all.values;
     let direct = free_names(cell);
@@ -224,6 +258,11 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
         direct
             .iter()
             .find_map(|name| rebuilt_model(name, &all, true, &direct))
+            .or_else(|| {
+                direct
+                    .iter()
+                    .find_map(|name| rebuilt_library_model(name, &all, &direct, sources))
+            })
     } else {
         None
     };
@@ -268,6 +307,7 @@ pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assemble
                 run: *run,
                 what: *what,
                 code: definition.code.clone(),
+                library: None,
             };
             rebuilt.push((*run, *index, rebuilt_one));
         }

@@ -2,8 +2,10 @@
 //! `nn::seq_t()`, with the functions it calls, on a store of its own that the notebook's weights
 //! are copied into), and the model `%memestimate` counts before any loop.
 
-use super::definitions::{Defined, Live};
+use super::definitions::{Defined, Definition, Live};
+use super::library::{self, ModuleSources};
 use super::{Brought, EarlierCell, Rebuilt};
+use crate::rewrite::checkpoint;
 use tchmem_wire::estimate::OptimizerRule;
 
 /// The model `name` rebuilt, when its live definition is a `let` that builds it (itself or
@@ -21,14 +23,7 @@ pub(super) fn rebuilt_model(
     used: &[String],
 ) -> Option<Rebuilt> {
     let functions = &live.functions;
-    let (run, _, definition) = live.values.get(name)?;
-    let Some((pattern, Some(init))) = definition
-        .local
-        .as_ref()
-        .filter(|_| definition.what.is_none())
-    else {
-        return None;
-    };
+    let (run, definition, pattern, init) = model_let(name, live)?;
     // The functions it calls, and those they call.
     let mut reached: Vec<&str> = Vec::new();
     let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
@@ -41,6 +36,103 @@ pub(super) fn rebuilt_model(
         }
     }
     let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].2.has_seq);
+    let store = single_store(name, definition, live, used)?;
+    if seq && !builds_seq {
+        return None;
+    }
+    // In the order they were defined.
+    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1));
+    let items: String = reached
+        .iter()
+        .map(|f| format!("{}\n", functions[*f].2.code))
+        .collect();
+    Some(Rebuilt {
+        name: name.to_string(),
+        run: *run,
+        what: Brought::Model,
+        code: on_a_store_of_its_own(pattern, store, &items, init),
+        library: None,
+    })
+}
+
+/// The model `name` rebuilt from its library's source, when its live definition is a `let` that
+/// calls a function of a dependency's module (`resnet::resnet18(&vs.root(), 10)`) with one
+/// VarStore of an earlier cell, and that module builds an `nn::seq()` or `nn::seq_t()`: the
+/// module goes in front of the call as an item of the block (see [`super::library`]).
+pub(super) fn rebuilt_library_model(
+    name: &str,
+    live: &Live,
+    used: &[String],
+    sources: ModuleSources<'_>,
+) -> Option<Rebuilt> {
+    let (run, definition, pattern, init) = model_let(name, live)?;
+    let call: syn::Expr = syn::parse_str(init).ok()?;
+    let syn::Expr::Call(call) = &call else {
+        return None;
+    };
+    let syn::Expr::Path(func) = &*call.func else {
+        return None;
+    };
+    let written: Vec<String> = func
+        .path
+        .segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect();
+    let full = library::resolve(&written, &live.imports)?;
+    let (function, module) = full.split_last()?;
+    if live.functions.contains_key(function) && written.len() == 1 {
+        return None;
+    }
+    let source = sources(module)?;
+    let module_name = library::module_name(module);
+    let item = library::as_item(&module_name, module, &source.code, function)?;
+    let parsed: syn::File = syn::parse_str(&item).ok()?;
+    let builds_seq = parsed
+        .items
+        .iter()
+        .any(|item| checkpoint::builds_seq(&syn::Stmt::Item(item.clone())));
+    if !builds_seq {
+        return None;
+    }
+    let store = single_store(name, definition, live, used)?;
+    // The call as written, its function named in the module brought in.
+    let (_, arguments) = init.split_once('(')?;
+    let init = format!("{module_name}::{function}({arguments}");
+    Some(Rebuilt {
+        name: name.to_string(),
+        run: *run,
+        what: Brought::Model,
+        code: on_a_store_of_its_own(pattern, store, &format!("{item}\n"), &init),
+        library: Some(format!("`{}` ({})", full.join("::"), source.file)),
+    })
+}
+
+/// The live `let {pattern} = {init}` of `name` that may build a model (not a store, an
+/// optimizer or a batch size), with its cell.
+fn model_let<'a>(
+    name: &str,
+    live: &'a Live,
+) -> Option<(&'a usize, &'a Definition, &'a str, &'a str)> {
+    let (run, _, definition) = live.values.get(name)?;
+    match &definition.local {
+        Some((pattern, Some(init))) if definition.what.is_none() => {
+            Some((run, definition, pattern, init))
+        }
+        _ => None,
+    }
+}
+
+/// The one VarStore of an earlier cell that `definition` (of `name`) builds on, when the cell
+/// uses no other value built on it (a `linear` beside an `lstm`: the model is in parts, and a
+/// new store would hold only this one, so the optimizer rebuilt on it would train the rest no
+/// more).
+fn single_store<'a>(
+    name: &str,
+    definition: &'a Definition,
+    live: &Live,
+    used: &[String],
+) -> Option<&'a String> {
     let stores: Vec<&String> = definition
         .uses
         .iter()
@@ -59,21 +151,14 @@ pub(super) fn rebuilt_model(
                 d.what.is_none() && d.local.is_some() && d.uses.contains(*store)
             })
     });
-    if in_parts {
-        return None;
-    }
-    if seq && !builds_seq {
-        return None;
-    }
-    // In the order they were defined.
-    reached.sort_by_key(|f| (functions[*f].0, functions[*f].1));
-    let items: String = reached
-        .iter()
-        .map(|f| format!("{}\n", functions[*f].2.code))
-        .collect();
-    // The new store is the only one the model's code sees (`vs` inside the block); the
-    // notebook's weights are copied into it, then it takes the store's name.
-    let code = format!(
+    (!in_parts).then_some(*store)
+}
+
+/// The `let {pattern} = {init}` of an earlier cell, with `items` (the functions or module it
+/// calls) in front of it, run on a new store: the model's code sees only it (`store` inside the
+/// block), the notebook's weights are copied into it, then it takes the store's name.
+fn on_a_store_of_its_own(pattern: &str, store: &str, items: &str, init: &str) -> String {
+    format!(
         "let mut __tchmem_store = tch::nn::VarStore::new({store}.device());\n\
          let {pattern} = {{\n\
          let {store} = &__tchmem_store;\n\
@@ -82,13 +167,7 @@ pub(super) fn rebuilt_model(
          __tchmem_store.copy(&{store}).expect(\"tchmem: copying the notebook's weights into \
          the rebuilt model\");\n\
          let mut {store} = __tchmem_store;"
-    );
-    Some(Rebuilt {
-        name: name.to_string(),
-        run: *run,
-        what: Brought::Model,
-        code,
-    })
+    )
 }
 
 /// What an earlier cell's `let` built, when it is a model `--checkpoint` cannot rebuild: its
