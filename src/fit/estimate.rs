@@ -210,15 +210,14 @@ impl Prediction {
 
     /// The prediction with another optimizer's step in place of the one its trials timed:
     /// `added` seconds more per step (fewer where negative), once however many micro-batches
-    /// the step adds up. The step's time, its range and the GPU's work move alike; none goes
-    /// below a tenth of what it was (a swap cannot take away the forward and backward passes).
+    /// the step adds up. The step's time and its range move alike; neither goes below a tenth
+    /// of what it was (a swap cannot take away the forward and backward passes). The GPU's
+    /// work is left as profiled: `added` is a wall time, host time included.
     pub fn with_optimizer_step_added(mut self, added: f64) -> Prediction {
         let shifted = |seconds: f64| (seconds + added).max(seconds / 10.0);
         self.step_seconds = shifted(self.step_seconds);
-        let time = &mut self.step_time;
-        time.low = shifted(time.low);
-        time.high = shifted(time.high);
-        time.gpu_work = time.gpu_work.map(shifted);
+        self.step_time.low = shifted(self.step_time.low);
+        self.step_time.high = shifted(self.step_time.high);
         self
     }
 }

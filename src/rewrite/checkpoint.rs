@@ -223,9 +223,11 @@ fn why_not(model: &ModelOrigin) -> String {
         ),
         ModelKind::Library { function } => format!(
             "`{name}` (cell [{run}]): it is built by `{function}`, a function the notebook did \
-             not define, whose source was not found among the cells' dependencies or builds no \
-             nn::seq() or nn::seq_t(). Paste the function's code into a cell, its layers in \
-             nn::seq_t() (as tch::vision's models, which --checkpoint rebuilds from tch's \
+             not define, and either its source was not found among the cells' dependencies \
+             (the kernel's log says what cargo answered) or it builds no nn::seq() or \
+             nn::seq_t(). Paste the function's code into a cell with its layers in \
+             nn::seq_t() (tch::vision's resnet, vgg, densenet, alexnet, squeezenet, mobilenet \
+             and inception models build theirs so, and --checkpoint rebuilds them from tch's \
              source)."
         ),
     }

@@ -7,61 +7,87 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-/// The answers so far, by crate (one `cargo metadata` per crate and session).
+/// The folders found so far, by crate (one `cargo metadata` per crate and session; a miss is
+/// asked again next time, as a later `:dep` may bring the crate).
 #[derive(Debug, Default)]
-pub(super) struct DependencySources(Mutex<HashMap<String, Option<PathBuf>>>);
+pub(super) struct DependencySources(Mutex<HashMap<String, PathBuf>>);
 
 impl DependencySources {
-    /// The `src/` folder of `krate` (its library name: `tch`, `half`) among the dependencies of
-    /// the crate in `workdir`; `None` where cargo does not know it without the network or
-    /// changing the lock file.
+    /// The folder holding the library root of `krate` (its library name, as cells `use` it:
+    /// `tch`, `torch_sys`) among the dependencies of the crate in `workdir`; `None` where cargo
+    /// does not know it without the network or changing the lock file (logged).
     pub(super) fn of(&self, workdir: &Path, krate: &str) -> Option<PathBuf> {
         // A panic while asking cannot leave the map half-written: take it as it is.
         let mut known = self
             .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        known
-            .entry(krate.to_string())
-            .or_insert_with(|| ask_cargo(workdir, krate))
-            .clone()
+        if let Some(folder) = known.get(krate) {
+            return Some(folder.clone());
+        }
+        let folder = ask_cargo(workdir, krate)?;
+        known.insert(krate.to_string(), folder.clone());
+        Some(folder)
     }
 }
 
 fn ask_cargo(workdir: &Path, krate: &str) -> Option<PathBuf> {
-    // --frozen: read the lock file as evcxr left it, offline; never rewrite it.
-    let output = Command::new("cargo")
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--frozen",
-            "--manifest-path",
-        ])
+    // --frozen: read the lock file as evcxr left it, offline, and never rewrite it. The host's
+    // platform only: cargo's cache holds the packages builds for it needed, not those of
+    // other platforms in the lock (windows-sys, wasi), which cargo metadata would ask for.
+    let mut cargo = Command::new("cargo");
+    cargo.args(["metadata", "--format-version", "1", "--frozen"]);
+    if let Some(host) = host_triple() {
+        cargo.args(["--filter-platform", &host]);
+    }
+    let output = cargo
+        .arg("--manifest-path")
         .arg(workdir.join("Cargo.toml"))
         .current_dir(workdir)
         .output()
-        .inspect_err(|error| tracing::debug!("cargo metadata for {krate}'s sources: {error}"))
+        .inspect_err(|error| tracing::info!("cargo metadata for {krate}'s sources: {error}"))
         .ok()?;
     if !output.status.success() {
-        tracing::debug!(
+        tracing::info!(
             "cargo metadata for {krate}'s sources: {}",
             String::from_utf8_lossy(&output.stderr).trim()
         );
         return None;
     }
-    source_folder(&output.stdout, krate)
+    library_folder(&output.stdout, krate)
 }
 
-/// The `src/` beside the manifest of the package whose library is `krate`, in cargo metadata's
-/// JSON.
-fn source_folder(metadata: &[u8], krate: &str) -> Option<PathBuf> {
+/// The platform rustc builds for here (`x86_64-unknown-linux-gnu`).
+fn host_triple() -> Option<String> {
+    let output = Command::new("rustc").arg("-vV").output().ok()?;
+    let text = String::from_utf8(output.stdout).ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("host: "))
+        .map(str::to_string)
+}
+
+/// The folder of the library root (`src/lib.rs`) of the package whose library target is named
+/// `krate`, in cargo metadata's JSON.
+fn library_folder(metadata: &[u8], krate: &str) -> Option<PathBuf> {
     let metadata: serde_json::Value = serde_json::from_slice(metadata).ok()?;
-    let package = metadata["packages"].as_array()?.iter().find(|package| {
-        package["name"].as_str().map(|n| n.replace('-', "_")) == Some(krate.into())
-    })?;
-    let manifest = Path::new(package["manifest_path"].as_str()?);
-    Some(manifest.parent()?.join("src"))
+    let library = metadata["packages"]
+        .as_array()?
+        .iter()
+        .flat_map(|package| package["targets"].as_array().into_iter().flatten())
+        .find(|target| {
+            let kinds = target["kind"].as_array();
+            let is_lib = kinds.is_some_and(|kinds| {
+                kinds
+                    .iter()
+                    .any(|k| matches!(k.as_str(), Some("lib" | "rlib")))
+            });
+            is_lib && target["name"].as_str() == Some(krate)
+        })?;
+    Some(
+        Path::new(library["src_path"].as_str()?)
+            .parent()?
+            .to_path_buf(),
+    )
 }
 
 #[cfg(test)]
@@ -69,19 +95,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_crates_sources_are_found_by_its_library_name() {
+    fn a_crates_sources_are_found_by_its_library_targets_name() {
+        // The runtime's package is tchmem-runtime, its library tchmem; torch-sys's is torch_sys.
         let metadata = br#"{"packages": [
-            {"name": "half", "manifest_path": "/r/half-2.4.1/Cargo.toml"},
-            {"name": "torch-sys", "manifest_path": "/v/torch-sys-0.24.0/Cargo.toml"}]}"#;
+            {"name": "tchmem-runtime", "targets": [
+                {"name": "tchmem", "kind": ["lib"], "src_path": "/w/runtime/src/lib.rs"},
+                {"name": "gpt_bench", "kind": ["example"], "src_path": "/w/runtime/examples/g.rs"}]},
+            {"name": "torch-sys", "targets": [
+                {"name": "build-script-build", "kind": ["custom-build"], "src_path": "/v/t/build.rs"},
+                {"name": "torch_sys", "kind": ["lib"], "src_path": "/v/torch-sys-0.24.0/src/lib.rs"}]}]}"#;
         assert_eq!(
-            source_folder(metadata, "torch_sys"),
+            library_folder(metadata, "torch_sys"),
             Some(PathBuf::from("/v/torch-sys-0.24.0/src"))
         );
         assert_eq!(
-            source_folder(metadata, "half"),
-            Some(PathBuf::from("/r/half-2.4.1/src"))
+            library_folder(metadata, "tchmem"),
+            Some(PathBuf::from("/w/runtime/src"))
         );
-        assert_eq!(source_folder(metadata, "tch"), None);
-        assert_eq!(source_folder(b"not json", "tch"), None);
+        assert_eq!(library_folder(metadata, "tchmem_runtime"), None);
+        assert_eq!(library_folder(metadata, "gpt_bench"), None);
+        assert_eq!(library_folder(b"not json", "tch"), None);
+    }
+
+    #[test]
+    fn the_hosts_platform_is_rustcs() {
+        let host = host_triple().expect("rustc runs here");
+        assert!(host.split('-').count() >= 3, "{host}");
     }
 }

@@ -55,6 +55,10 @@ fn walk(tree: &UseTree, prefix: &mut Vec<String>, names: &mut HashMap<String, Ve
             full.push(name.ident.to_string());
             names.insert(name.ident.to_string(), full);
         }
+        // `{self as r}` names the prefix itself.
+        UseTree::Rename(rename) if rename.ident == "self" => {
+            names.insert(rename.rename.to_string(), prefix.clone());
+        }
         UseTree::Rename(rename) => {
             let mut full = prefix.clone();
             full.push(rename.ident.to_string());
@@ -96,91 +100,6 @@ pub(super) fn module_name(module: &[String]) -> String {
     )
 }
 
-/// `module`'s source as an item of the trial's code: `mod NAME { … }` holding its `use` lines
-/// and the items `function` reaches (what it calls, the types it names, their impls), its paths
-/// from its own crate's root written from the crate (`crate::nn` → `tch::nn`) and those to its
-/// parent written whole (`super::` → `tch::vision::`). `None` where its text does not parse, or
-/// holds no `function`.
-pub(super) fn as_item(
-    name: &str,
-    module: &[String],
-    source: &str,
-    function: &str,
-) -> Option<String> {
-    let (krate, inner) = module.split_first()?;
-    let parent = std::iter::once(krate.as_str())
-        .chain(
-            inner[..inner.len().saturating_sub(1)]
-                .iter()
-                .map(String::as_str),
-        )
-        .collect::<Vec<_>>()
-        .join("::");
-    let code = source
-        .replace("crate::", &format!("{krate}::"))
-        .replace("super::", &format!("{parent}::"));
-    let file = syn::parse_file(&code).ok()?;
-    let items = reached_from(function, file.items)?;
-    let body = prettyplease::unparse(&syn::File {
-        shebang: None,
-        attrs: Vec::new(),
-        items,
-    });
-    // Of its `use` lines, the items left out may have needed some.
-    Some(format!("#[allow(unused_imports)]\nmod {name} {{\n{body}}}"))
-}
-
-/// The `use` items of `items` and those `function` reaches through the names their code holds,
-/// in the file's order; `None` without `function`.
-fn reached_from(function: &str, items: Vec<Item>) -> Option<Vec<Item>> {
-    let named = |item: &Item| -> Option<String> {
-        Some(match item {
-            Item::Fn(f) => f.sig.ident.to_string(),
-            Item::Struct(s) => s.ident.to_string(),
-            Item::Enum(e) => e.ident.to_string(),
-            Item::Const(c) => c.ident.to_string(),
-            Item::Static(s) => s.ident.to_string(),
-            Item::Type(t) => t.ident.to_string(),
-            Item::Trait(t) => t.ident.to_string(),
-            Item::Impl(i) => match &*i.self_ty {
-                syn::Type::Path(p) => p.path.segments.last()?.ident.to_string(),
-                _ => return None,
-            },
-            _ => return None,
-        })
-    };
-    let mut kept = vec![false; items.len()];
-    let mut todo = vec![function.to_string()];
-    let mut seen = std::collections::HashSet::new();
-    while let Some(next) = todo.pop() {
-        if !seen.insert(next.clone()) {
-            continue;
-        }
-        for (i, item) in items.iter().enumerate() {
-            if !kept[i] && named(item).as_deref() == Some(next.as_str()) {
-                kept[i] = true;
-                let tokens = quote::ToTokens::to_token_stream(item);
-                todo.extend(super::definitions::names_in(tokens));
-            }
-        }
-    }
-    if !items
-        .iter()
-        .zip(&kept)
-        .any(|(item, kept)| *kept && matches!(item, Item::Fn(f) if f.sig.ident == function))
-    {
-        return None;
-    }
-    Some(
-        items
-            .into_iter()
-            .zip(kept)
-            .filter(|(item, kept)| *kept || matches!(item, Item::Use(_)))
-            .map(|(item, _)| item)
-            .collect(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,7 +112,8 @@ mod tests {
     fn a_library_path_resolves_through_the_imports_in_force() {
         let imports = imports(
             "use tch::vision::resnet;\nuse tch::{nn, vision::{vgg as v, densenet::{self}}};\n\
-             use tch::vision::resnet::resnet34;\nuse std::io::*;",
+             use tch::vision::resnet::resnet34;\nuse std::io::*;\n\
+             use tch::vision::{mobilenet::{self as mn}};",
         );
         let resolved = |p: &str| resolve(&path(p), &imports).map(|p| p.join("::"));
         assert_eq!(
@@ -209,6 +129,10 @@ mod tests {
             Some("tch::vision::densenet::densenet121")
         );
         assert_eq!(
+            resolved("mn::v2").as_deref(),
+            Some("tch::vision::mobilenet::v2")
+        );
+        assert_eq!(
             resolved("resnet34").as_deref(),
             Some("tch::vision::resnet::resnet34")
         );
@@ -222,29 +146,7 @@ mod tests {
     }
 
     #[test]
-    fn a_library_module_becomes_an_item_of_what_the_function_reaches() {
-        let source = "//! ResNet.\nuse crate::{nn, nn::FuncT};\nuse super::dataset::Dataset;\n\
-                      struct Shape(i64);\nimpl Shape { fn get(&self) -> i64 { self.0 } }\n\
-                      fn width() -> Shape { Shape(3) }\nfn unused() {}\n\
-                      /// The model.\npub fn f(p: &nn::Path) -> FuncT<'static> { let _ = width().get(); todo!() }\n";
-        let item = as_item("__tchmem_resnet", &path("tch::vision::resnet"), source, "f").unwrap();
-        assert!(item.contains("\nmod __tchmem_resnet {"), "{item}");
-        assert!(item.contains("use tch::{nn, nn::FuncT};"), "{item}");
-        assert!(
-            item.contains("use tch::vision::dataset::Dataset;"),
-            "{item}"
-        );
-        assert!(item.contains("/// The model."), "{item}");
-        for reached in ["fn width", "struct Shape", "impl Shape", "pub fn f"] {
-            assert!(item.contains(reached), "{reached}: {item}");
-        }
-        assert!(
-            !item.contains("fn unused") && !item.contains("//!"),
-            "{item}"
-        );
-        syn::parse_str::<syn::Item>(&item).unwrap();
-        assert_eq!(as_item("m", &path("tch::x"), "fn (", "f"), None);
-        assert_eq!(as_item("m", &path("tch::x"), source, "g"), None);
+    fn the_module_takes_a_name_clear_of_the_cells() {
         assert_eq!(module_name(&path("tch::vision::resnet")), "__tchmem_resnet");
     }
 }

@@ -21,6 +21,7 @@
 
 mod definitions;
 mod library;
+mod library_item;
 mod model;
 
 use std::collections::HashSet;

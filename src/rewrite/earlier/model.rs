@@ -4,6 +4,7 @@
 
 use super::definitions::{Defined, Definition, Live};
 use super::library::{self, ModuleSources};
+use super::library_item;
 use super::{Brought, EarlierCell, Rebuilt};
 use crate::rewrite::checkpoint;
 use tchmem_wire::estimate::OptimizerRule;
@@ -86,7 +87,7 @@ pub(super) fn rebuilt_library_model(
     }
     let source = sources(module)?;
     let module_name = library::module_name(module);
-    let item = library::as_item(&module_name, module, &source.code, function)?;
+    let item = library_item::as_item(&module_name, module, &source.code, function)?;
     let parsed: syn::File = syn::parse_str(&item).ok()?;
     let builds_seq = parsed
         .items
