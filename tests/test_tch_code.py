@@ -289,3 +289,39 @@ def test_operators_recorded_in_one_cell_replay_in_another(kernel):
     assert reply["status"] == "ok", reply
     # It ran (no bytes are measured without CUDA).
     assert result_text(messages) == '"[Some(0)] None"', result_text(messages)
+
+
+# tch::vision's models built by tch's own functions, as users build them: --checkpoint has no
+# nn::seq_t() of the notebook's to rewrite, and rebuilds them from tch's source instead
+# (scripts/check-vision-checkpoint runs eight of them; two small ones here).
+VISION_MODELS = [("mobilenet", "v2"), ("squeezenet", "v1_1")]
+
+
+@pytest.mark.parametrize("module,function", VISION_MODELS)
+def test_checkpoint_rebuilds_a_tch_vision_model_from_tchs_source(kernel, module, function):
+    _, kc = kernel
+    build = f"""use tch::nn::{{self, ModuleT, OptimizerConfig}};
+use tch::{{Device, Kind, Tensor}};
+use tch::vision::{module};
+let vision_vs = nn::VarStore::new(Device::Cpu);
+let vision_net = {module}::{function}(&vision_vs.root(), 10);
+let mut vision_opt = nn::Sgd::default().build(&vision_vs, 0.01).unwrap();"""
+    reply, _ = execute(kc, build, timeout=300)
+    assert reply["status"] == "ok", reply
+    loop = """for _ in 0..2 {
+    let xs = Tensor::rand([2, 3, 64, 64], (Kind::Float, Device::Cpu));
+    let ys = Tensor::randint(10, [2], (Kind::Int64, Device::Cpu));
+    let loss = vision_net.forward_t(&xs, true).cross_entropy_for_logits(&ys);
+    vision_opt.backward_step(&loss);
+}"""
+    reply, messages = execute(kc, "%%optimize --checkpoint --compare 2\n" + loop, timeout=300)
+    assert reply["status"] == "ok", (reply.get("evalue"), stream_text(messages))
+    (result,) = displayed(messages, COMPARISON_MIME)
+    original, rewritten = result["original"]["losses"], result["rewritten"]["losses"]
+    assert len(original) == len(rewritten) == 2
+    assert max(abs(a - b) for a, b in zip(original, rewritten)) <= 1e-6, (original, rewritten)
+    code = "".join(d["text/markdown"] for d in
+                   [m["data"] for m in outputs(messages, "display_data")] if "text/markdown" in d)
+    assert f"by `tch::vision::{module}::{function}` (tch-" in code, code
+    assert f"src/vision/{module}.rs)" in code, code
+    assert "tchmem::checkpoint::seq_t()" in code, code
