@@ -69,12 +69,13 @@ pub struct Cells<R> {
 /// sources the runner knows for it (`src/vision/resnet.rs` or `src/vision/resnet/mod.rs`).
 fn library_module(runner: &impl Runner, module: &[String]) -> Option<LibraryModule> {
     let (krate, inner) = module.split_first()?;
-    if inner.is_empty() {
+    // The standard library's modules build no models (and are not cargo's to find).
+    if inner.is_empty() || ["std", "core", "alloc"].contains(&krate.as_str()) {
         return None;
     }
     let source = runner.dependency_source(krate)?;
     let relative = inner.join("/");
-    [format!("{relative}.rs"), format!("{relative}/mod.rs")]
+    let found = [format!("{relative}.rs"), format!("{relative}/mod.rs")]
         .into_iter()
         .find_map(|file| {
             let path = source.join(&file);
@@ -86,7 +87,15 @@ fn library_module(runner: &impl Runner, module: &[String]) -> Option<LibraryModu
                 file: shown.display().to_string(),
                 code,
             })
-        })
+        });
+    if found.is_none() {
+        tracing::info!(
+            "no source file of {} under {}",
+            module.join("::"),
+            source.display()
+        );
+    }
+    found
 }
 
 /// Where a report's displays go: the cell's output.

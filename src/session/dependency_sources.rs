@@ -5,29 +5,39 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
+use std::time::SystemTime;
 
-/// The folders found so far, by crate (one `cargo metadata` per crate and session; a miss is
-/// asked again next time, as a later `:dep` may bring the crate).
+/// What cargo answered so far, by crate: a folder, or none, with the lock file's modification
+/// time then (a later `:dep` that rewrites the lock may bring the crate: a miss is asked again
+/// only after it changed, so trials do not each wait for cargo).
 #[derive(Debug, Default)]
-pub(super) struct DependencySources(Mutex<HashMap<String, PathBuf>>);
+pub(super) struct DependencySources(Mutex<HashMap<String, Answer>>);
+
+/// A folder or none, and the lock file's modification time when cargo was asked.
+type Answer = (Option<PathBuf>, Option<SystemTime>);
 
 impl DependencySources {
     /// The folder holding the library root of `krate` (its library name, as cells `use` it:
     /// `tch`, `torch_sys`) among the dependencies of the crate in `workdir`; `None` where cargo
     /// does not know it without the network or changing the lock file (logged).
     pub(super) fn of(&self, workdir: &Path, krate: &str) -> Option<PathBuf> {
+        let lock = std::fs::metadata(workdir.join("Cargo.lock"))
+            .and_then(|m| m.modified())
+            .ok();
         // A panic while asking cannot leave the map half-written: take it as it is.
         let mut known = self
             .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(folder) = known.get(krate) {
-            return Some(folder.clone());
+        match known.get(krate) {
+            Some((Some(folder), _)) => return Some(folder.clone()),
+            Some((None, asked)) if *asked == lock => return None,
+            _ => {}
         }
-        let folder = ask_cargo(workdir, krate)?;
-        known.insert(krate.to_string(), folder.clone());
-        Some(folder)
+        let folder = ask_cargo(workdir, krate);
+        known.insert(krate.to_string(), (folder.clone(), lock));
+        folder
     }
 }
 
@@ -54,16 +64,26 @@ fn ask_cargo(workdir: &Path, krate: &str) -> Option<PathBuf> {
         );
         return None;
     }
-    library_folder(&output.stdout, krate)
+    let folder = library_folder(&output.stdout, krate);
+    if folder.is_none() {
+        tracing::info!(
+            "cargo metadata lists no library named {krate} among the cells' dependencies"
+        );
+    }
+    folder
 }
 
-/// The platform rustc builds for here (`x86_64-unknown-linux-gnu`).
+/// The platform rustc builds for here (`x86_64-unknown-linux-gnu`), asked once.
 fn host_triple() -> Option<String> {
-    let output = Command::new("rustc").arg("-vV").output().ok()?;
-    let text = String::from_utf8(output.stdout).ok()?;
-    text.lines()
-        .find_map(|line| line.strip_prefix("host: "))
-        .map(str::to_string)
+    static HOST: OnceLock<Option<String>> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let output = Command::new("rustc").arg("-vV").output().ok()?;
+        let text = String::from_utf8(output.stdout).ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix("host: "))
+            .map(str::to_string)
+    })
+    .clone()
 }
 
 /// The folder of the library root (`src/lib.rs`) of the package whose library target is named
@@ -81,7 +101,9 @@ fn library_folder(metadata: &[u8], krate: &str) -> Option<PathBuf> {
                     .iter()
                     .any(|k| matches!(k.as_str(), Some("lib" | "rlib")))
             });
-            is_lib && target["name"].as_str() == Some(krate)
+            // Older cargo wrote a library's name with the package's hyphens.
+            let name = target["name"].as_str().map(|n| n.replace('-', "_"));
+            is_lib && name.as_deref() == Some(krate)
         })?;
     Some(
         Path::new(library["src_path"].as_str()?)

@@ -23,7 +23,7 @@ pub(super) fn as_item(
     function: &str,
 ) -> Option<String> {
     let mut file = syn::parse_file(source).ok()?;
-    Outside { module }.visit_file_mut(&mut file);
+    Outside { module, depth: 0 }.visit_file_mut(&mut file);
     let krate = module.first()?;
     let mut items = reached_from(function, krate, file.items)?;
     for item in &mut items {
@@ -45,15 +45,20 @@ pub(super) fn as_item(
 /// Writes the module's paths as code outside its crate sees them.
 struct Outside<'a> {
     module: &'a [String],
+    /// How deep in the file's own inline modules the visit is (their `super`s up to this
+    /// depth stay inside the file).
+    depth: usize,
 }
 
 impl Outside<'_> {
-    /// The path that `supers` leading `super`s (none: `crate`) stand for.
+    /// The path that `supers` leading `super`s (none: `crate`) stand for; `None` where they
+    /// stay inside the file or climb past the crate.
     fn root(&self, supers: usize) -> Option<Vec<Ident>> {
         let keep = if supers == 0 {
             1
         } else {
-            self.module.len().checked_sub(supers)?
+            let beyond = supers.checked_sub(self.depth).filter(|&n| n > 0)?;
+            self.module.len().checked_sub(beyond)?
         };
         (keep >= 1).then(|| {
             self.module[..keep]
@@ -84,6 +89,7 @@ impl VisitMut for Outside<'_> {
     }
 
     fn visit_item_use_mut(&mut self, item: &mut syn::ItemUse) {
+        self.visit_visibility_mut(&mut item.vis);
         let mut supers = 0;
         let mut tree = &item.tree;
         let mut crate_root = false;
@@ -118,10 +124,17 @@ impl VisitMut for Outside<'_> {
         });
     }
 
+    fn visit_item_mod_mut(&mut self, item: &mut syn::ItemMod) {
+        self.depth += 1;
+        visit_mut::visit_item_mod_mut(self, item);
+        self.depth -= 1;
+    }
+
     fn visit_visibility_mut(&mut self, vis: &mut Visibility) {
-        // `pub(crate)`, `pub(in crate::x)`: the crate is not this one any more.
+        // `pub(crate)`, `pub(in crate::x)`: the crate is not this one any more. Public inside
+        // the private module around them, so nested modules still reach each other.
         if matches!(vis, Visibility::Restricted(_)) {
-            *vis = Visibility::Inherited;
+            *vis = syn::parse_quote!(pub);
         }
     }
 }
@@ -222,20 +235,29 @@ fn reached_from(function: &str, krate: &str, items: Vec<Item>) -> Option<Vec<Ite
 
 /// The names a `use` tree brings in, each with the tree's first segment.
 fn imported(tree: &UseTree) -> Vec<(Option<String>, String)> {
-    fn walk(tree: &UseTree, root: &Option<String>, out: &mut Vec<(Option<String>, String)>) {
+    /// `root`: the tree's first segment; `last`: the segment before this subtree.
+    fn walk(
+        tree: &UseTree,
+        root: Option<&str>,
+        last: Option<&str>,
+        out: &mut Vec<(Option<String>, String)>,
+    ) {
+        let name = |n: &str| (root.map(str::to_string), n.to_string());
         match tree {
             UseTree::Path(p) => {
-                let root = root.clone().or_else(|| Some(p.ident.to_string()));
-                walk(&p.tree, &root, out);
+                let ident = p.ident.to_string();
+                walk(&p.tree, root.or(Some(&ident)), Some(&ident), out);
             }
-            UseTree::Name(n) => out.push((root.clone(), n.ident.to_string())),
-            UseTree::Rename(r) => out.push((root.clone(), r.rename.to_string())),
-            UseTree::Group(g) => g.items.iter().for_each(|t| walk(t, root, out)),
-            UseTree::Glob(_) => out.push((root.clone(), "*".into())),
+            // `nn::{self}` brings in `nn`.
+            UseTree::Name(n) if n.ident == "self" => out.extend(last.map(name)),
+            UseTree::Name(n) => out.push(name(&n.ident.to_string())),
+            UseTree::Rename(r) => out.push(name(&r.rename.to_string())),
+            UseTree::Group(g) => g.items.iter().for_each(|t| walk(t, root, last, out)),
+            UseTree::Glob(_) => out.push(name("*")),
         }
     }
     let mut out = Vec::new();
-    walk(tree, &None, &mut out);
+    walk(tree, None, None, &mut out);
     out
 }
 
@@ -282,7 +304,7 @@ mod tests {
         assert!(has("use tch::{nn, nn::FuncT, nn::Module};"), "{item}");
         assert!(has("use tch::Kind;"), "{item}");
         assert!(has("tch::vision::helper()"), "{item}");
-        // Restricted visibilities are the old crate's: private here.
+        // Restricted visibilities are the old crate's.
         assert!(!has("pub(crate)") && !has("pub(in"), "{item}");
         // A type of the crate stays imported (it may be a trait whose methods the code calls).
         assert!(has("use tch::vision::dataset::Dataset;"), "{item}");
@@ -293,5 +315,25 @@ mod tests {
         }
         assert_eq!(as_item("m", &path("tch::x"), "fn (", "f"), None);
         assert_eq!(as_item("m", &path("tch::x"), SOURCE, "g"), None);
+    }
+
+    #[test]
+    fn the_files_own_modules_keep_their_supers_and_reach_each_other() {
+        let source = "use crate::nn::{self};\n\
+            mod inner { use super::Shape; pub(crate) fn make() -> Shape { Shape(super::super::W) } }\n\
+            pub(super) struct Shape(i64);\n\
+            pub fn f() -> i64 { let s = inner::make(); let _ = nn::Path::default; s.0 }\n";
+        let item = as_item("__tchmem_m", &path("tch::vision::m"), source, "f").unwrap();
+        syn::parse_str::<syn::Item>(&item).unwrap();
+        // Inside `inner`, one `super` is the file; two are the file's parent.
+        assert!(item.contains("use super::Shape;"), "{item}");
+        assert!(item.contains("Shape(tch::vision::W)"), "{item}");
+        // Restricted visibilities become public inside the private module around them.
+        assert!(
+            item.contains("pub fn make()") && item.contains("pub struct Shape"),
+            "{item}"
+        );
+        // `nn::{self}` imports `nn`, which the function names.
+        assert!(item.contains("use tch::nn::{self};"), "{item}");
     }
 }

@@ -87,7 +87,13 @@ pub(super) fn rebuilt_library_model(
     }
     let source = sources(module)?;
     let module_name = library::module_name(module);
-    let item = library_item::as_item(&module_name, module, &source.code, function)?;
+    let Some(item) = library_item::as_item(&module_name, module, &source.code, function) else {
+        tracing::info!(
+            "{}: no function {function} could be taken from it",
+            source.file
+        );
+        return None;
+    };
     let parsed: syn::File = syn::parse_str(&item).ok()?;
     let builds_seq = parsed
         .items
