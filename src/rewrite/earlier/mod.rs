@@ -9,7 +9,7 @@
 //! - the optimizer (`let mut opt = nn::Adam::default().build(&vs, 1e-3)?;`), so that a trial
 //!   steps a fresh one (the user's keeps its state) and `--optimizer` can swap it;
 //! - for `--checkpoint`, a model built with `nn::seq()`/`nn::seq_t()` by earlier cells, rebuilt
-//!   with the functions that build it.
+//!   with the functions that build it, or by a library's function, rebuilt from its source.
 //!
 //! It also names the VarStores the cell uses that were made earlier: a trial keeps their
 //! tensors and puts them back after it (the runtime's `tchmem::keep`), so that the user's model
@@ -17,7 +17,9 @@
 //!
 //! The modules: `definitions` reads the top-level definitions of the earlier cells (the live
 //! one of each name), `model` rebuilds a model of earlier cells for `--checkpoint` and finds the
-//! model `%memestimate` counts before any loop.
+//! model `%memestimate` counts before any loop; `library` follows a model built by a library's
+//! function to its module (through the cells' imports), and `library_item` makes that module's
+//! source an item of the trial's code.
 
 mod definitions;
 mod library;
