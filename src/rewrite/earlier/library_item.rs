@@ -14,8 +14,8 @@ use super::definitions::names_in;
 /// holds the items `function` reaches (what it calls, the types and macros it names, their
 /// impls) and the `use` lines they need; its paths from the crate's root written from the crate
 /// (`crate::nn` → `tch::nn`), those to its parents written whole (`super::x` →
-/// `tch::vision::x`), restricted visibilities made private and `function` public. `None` where
-/// the source does not parse or holds no `function`.
+/// `tch::vision::x`), restricted visibilities and `function` made public (inside the private
+/// module around them). `None` where the source does not parse or holds no `function`.
 pub(super) fn as_item(
     name: &str,
     module: &[String],
