@@ -38,13 +38,18 @@ impl Live {
             imports: HashMap::new(),
         };
         for earlier in earlier.iter().rev() {
-            for (name, path) in super::library::imports(&earlier.code) {
+            // Parsed once for the three readings below.
+            let Ok(parsed) = cell::parse(&earlier.code) else {
+                continue;
+            };
+            for (name, path) in super::library::imports(&parsed.block) {
                 live.imports.entry(name).or_insert(path);
             }
-            for module_type in module_impls(&earlier.code) {
+            for module_type in module_impls(&parsed.block) {
                 live.module_types.entry(module_type).or_insert(earlier.run);
             }
-            for (index, definition) in definitions(&earlier.code).into_iter().enumerate().rev() {
+            let definitions = definitions(&earlier.code, &parsed);
+            for (index, definition) in definitions.into_iter().enumerate().rev() {
                 let names = if definition.function {
                     &mut live.functions
                 } else {
@@ -114,11 +119,8 @@ pub(super) struct Built {
     pub(super) rule: Option<(String, OptimizerRule)>,
 }
 
-/// The top-level bindings of `code` (a `let` of one name, a `const`, a `static`).
-fn definitions(code: &str) -> Vec<Definition> {
-    let Ok(parsed) = cell::parse(code) else {
-        return Vec::new();
-    };
+/// The top-level bindings of `code`, `parsed` (a `let` of one name, a `const`, a `static`).
+fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
     let stores: HashSet<String> = cell_syntax::var_store_bindings(code)
         .into_iter()
         .filter(|binding| binding.top_level)
@@ -185,12 +187,8 @@ fn definitions(code: &str) -> Vec<Definition> {
 
 /// The types the cell implements `Module` or `ModuleT` for (`impl nn::ModuleT for Net`), or
 /// gives a `forward`/`forward_t` method of their own (`impl Vae { fn forward(..) }`).
-fn module_impls(code: &str) -> Vec<String> {
-    let Ok(parsed) = cell::parse(code) else {
-        return Vec::new();
-    };
-    parsed
-        .block
+fn module_impls(block: &syn::Block) -> Vec<String> {
+    block
         .stmts
         .iter()
         .filter_map(|stmt| {

@@ -8,8 +8,6 @@ use std::collections::HashMap;
 
 use syn::{Item, Stmt, UseTree};
 
-use crate::rewrite::cell;
-
 /// Reads a module of a dependency by its path (`["tch", "vision", "resnet"]`): the text of its
 /// source file, where the dependency's sources can be found.
 pub type ModuleSources<'a> = &'a dyn Fn(&[String]) -> Option<LibraryModule>;
@@ -23,14 +21,11 @@ pub struct LibraryModule {
     pub code: String,
 }
 
-/// What each name a `use` of `code` brings in stands for (`resnet` → `tch::vision::resnet`);
-/// renames (`as`) by their new name; globs are left out.
-pub(super) fn imports(code: &str) -> HashMap<String, Vec<String>> {
+/// What each name a top-level `use` of a cell's `block` brings in stands for (`resnet` →
+/// `tch::vision::resnet`); renames (`as`) by their new name; globs are left out.
+pub(super) fn imports(block: &syn::Block) -> HashMap<String, Vec<String>> {
     let mut names = HashMap::new();
-    let Ok(parsed) = cell::parse(code) else {
-        return names;
-    };
-    for stmt in &parsed.block.stmts {
+    for stmt in &block.stmts {
         if let Stmt::Item(Item::Use(item)) = stmt {
             walk(&item.tree, &mut Vec::new(), &mut names);
         }
@@ -103,6 +98,7 @@ pub(super) fn module_name(module: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rewrite::cell;
 
     fn path(text: &str) -> Vec<String> {
         text.split("::").map(str::to_string).collect()
@@ -110,11 +106,13 @@ mod tests {
 
     #[test]
     fn a_library_path_resolves_through_the_imports_in_force() {
-        let imports = imports(
+        let cell = cell::parse(
             "use tch::vision::resnet;\nuse tch::{nn, vision::{vgg as v, densenet::{self}}};\n\
              use tch::vision::resnet::resnet34;\nuse std::io::*;\n\
              use tch::vision::{mobilenet::{self as mn}};",
-        );
+        )
+        .unwrap();
+        let imports = imports(&cell.block);
         let resolved = |p: &str| resolve(&path(p), &imports).map(|p| p.join("::"));
         assert_eq!(
             resolved("resnet::resnet18").as_deref(),

@@ -10,18 +10,13 @@ use syn::{Item, UseTree, Visibility};
 
 use super::definitions::names_in;
 
-/// `source`, the module `module` (`["tch", "vision", "resnet"]`), as an item named `name` that
-/// holds the items `function` reaches (what it calls, the types and macros it names, their
-/// impls) and the `use` lines they need; its paths from the crate's root written from the crate
-/// (`crate::nn` → `tch::nn`), those to its parents written whole (`super::x` →
-/// `tch::vision::x`), restricted visibilities and `function` made public (inside the private
-/// module around them). `None` where the source does not parse or holds no `function`.
-pub(super) fn as_item(
-    name: &str,
-    module: &[String],
-    source: &str,
-    function: &str,
-) -> Option<String> {
+/// The items of `source`, the module `module` (`["tch", "vision", "resnet"]`), that `function`
+/// reaches (what it calls, the types and macros it names, their impls) and the `use` lines they
+/// need; its paths from the crate's root written from the crate (`crate::nn` → `tch::nn`),
+/// those to its parents written whole (`super::x` → `tch::vision::x`), restricted visibilities
+/// and `function` made public (inside the private module [`as_module`] puts them in). `None`
+/// where the source does not parse or holds no `function`.
+pub(super) fn reached_items(module: &[String], source: &str, function: &str) -> Option<Vec<Item>> {
     let mut file = syn::parse_file(source).ok()?;
     Outside { module, depth: 0 }.visit_file_mut(&mut file);
     let krate = module.first()?;
@@ -33,13 +28,18 @@ pub(super) fn as_item(
             }
         }
     }
+    Some(items)
+}
+
+/// `items` as an item of the trial's code: `mod NAME { … }`.
+pub(super) fn as_module(name: &str, items: Vec<Item>) -> String {
     let body = prettyplease::unparse(&syn::File {
         shebang: None,
         attrs: Vec::new(),
         items,
     });
     // A type or trait of the crate kept for its methods may be used nowhere here.
-    Some(format!("#[allow(unused_imports)]\nmod {name} {{\n{body}}}"))
+    format!("#[allow(unused_imports)]\nmod {name} {{\n{body}}}")
 }
 
 /// Writes the module's paths as code outside its crate sees them.
@@ -264,6 +264,11 @@ fn imported(tree: &UseTree) -> Vec<(Option<String>, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The module's reached items as the trial's item.
+    fn as_item(name: &str, module: &[String], source: &str, function: &str) -> Option<String> {
+        reached_items(module, source, function).map(|items| as_module(name, items))
+    }
 
     fn path(text: &str) -> Vec<String> {
         text.split("::").map(str::to_string).collect()

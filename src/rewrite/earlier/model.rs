@@ -87,16 +87,14 @@ pub(super) fn rebuilt_library_model(
     }
     let source = sources(module)?;
     let module_name = library::module_name(module);
-    let Some(item) = library_item::as_item(&module_name, module, &source.code, function) else {
+    let Some(items) = library_item::reached_items(module, &source.code, function) else {
         tracing::info!(
             "{}: no function {function} could be taken from it",
             source.file
         );
         return None;
     };
-    let parsed: syn::File = syn::parse_str(&item).ok()?;
-    let builds_seq = parsed
-        .items
+    let builds_seq = items
         .iter()
         .any(|item| checkpoint::builds_seq(&syn::Stmt::Item(item.clone())));
     if !builds_seq {
@@ -110,7 +108,12 @@ pub(super) fn rebuilt_library_model(
         name: name.to_string(),
         run: *run,
         what: Brought::Model,
-        code: on_a_store_of_its_own(pattern, store, &format!("{item}\n"), &init),
+        code: on_a_store_of_its_own(
+            pattern,
+            store,
+            &format!("{}\n", library_item::as_module(&module_name, items)),
+            &init,
+        ),
         library: Some(format!("`{}` ({})", full.join("::"), source.file)),
     })
 }
