@@ -40,6 +40,41 @@ def by_name(categories):
     return {c["name"]: c["bytes"] for c in categories or []}
 
 
+def test_a_kept_stores_gradients_go_back_into_segments_of_their_own(gpu):
+    # A trial keeps the notebook's store and puts its gradients back at the end, as new device
+    # tensors. Put back among the trial's cached blocks, a gradient would pin a large segment
+    # that no later empty_cache returns, and the next trial would begin with another cache.
+    # First in the file: the earlier tests' blocks would be other places to put it.
+    code = """
+{
+let k_slack = || {
+    tchmem::cuda_stats::empty_cache().unwrap();
+    let stats = tchmem::cuda_stats::device_stats(0).unwrap();
+    stats.current.reserved as i64 - stats.current.allocated as i64
+};
+let k_vs = tch::nn::VarStore::new(tch::Device::Cuda(0));
+let k_w = k_vs.root().randn("w", &[1536, 2048], 0.0, 1.0);
+k_w.square().sum(tch::Kind::Float).backward();
+let k_before = k_slack();
+{
+    let _kept = tchmem::keep::keep(&k_vs);
+    // The trial's own work: a large block, freed and cached when the trial ends.
+    let big = tch::Tensor::zeros([512 << 20], (tch::Kind::Uint8, tch::Device::Cuda(0)));
+    drop(big);
+}
+let k_after = k_slack();
+assert!(k_w.grad().defined());
+k_after - k_before
+}
+"""
+    reply, messages = execute(gpu, code, timeout=300)
+    assert reply["status"] == "ok", reply
+    grown = int(result_text(messages))
+    # The 12 MiB gradient in a segment of its own leaves no free bytes reserved; put back into
+    # the 512 MiB block, it would keep the rest of it reserved.
+    assert grown < 32 * MiB, grown
+
+
 def test_a_training_step_shows_all_seven_categories(gpu):
     code = """
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
@@ -341,3 +376,4 @@ let live_kept = held;"""
     assert max(m["allocated"] for m in memory) - cuda["before"]["allocated"] >= 8 * 256 * MiB
     assert memory[-1]["peak_allocated"] == cuda["peak"]["allocated"], (memory[-1], cuda)
     assert memory[-1]["capacity"] >= cuda["peak"]["reserved"]
+

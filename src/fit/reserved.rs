@@ -526,6 +526,46 @@ pub(crate) mod tests {
         }
     }
 
+    #[test]
+    fn a_trial_reserves_what_the_replay_gives_from_the_segments_it_began_with() {
+        // A GRU under Adafactor on an H100 (2026-12-06-begin-state/): the trials at 32 and 64
+        // put its requests at 128 on their lines exactly, yet the trial at 128 reserved 2496
+        // MiB where the replay gave 2110. Its requests were the replay's; what differed was the
+        // cache it began with: a 12 MiB gradient, put back after the trial before, sat in a
+        // 386 MiB segment (in the trial at 64, a 602 MiB one). From its own segments the replay
+        // gives its peak to the byte; the kept stores' gradients now go back into segments of
+        // their own, so that every trial begins alike.
+        let dir = "2026-12-06-begin-state/traces";
+        let [small, large, truth] =
+            [32, 64, 128].map(|b| recorded_at(&format!("{dir}/gru-adafactor-{b}")));
+        let points = [point(&small), point(&large)];
+        let lines = ReservedLines::of(&points).unwrap();
+        let sizes = lines.sizes_at(128, &HashMap::new());
+        let actual: Vec<u64> = truth
+            .trace
+            .decoded()
+            .filter_map(|event| match event {
+                AllocEvent::Alloc(bytes) => Some(bytes),
+                AllocEvent::Free(_) => None,
+            })
+            .collect();
+        assert_eq!(sizes, actual, "the requests at 128 are on their lines");
+        let (predicted, _) = lines.peak_reserved(128, None, None).unwrap();
+        let e = error(predicted, truth.peak_reserved);
+        assert!(e < -0.15, "{e:+.3}");
+        // The same events from the segments the trial at 128 began with.
+        let mut request = 0;
+        let events = large.trace.decoded().map(|event| match event {
+            AllocEvent::Alloc(_) => {
+                request += 1;
+                AllocEvent::Alloc(sizes[request - 1])
+            }
+            free => free,
+        });
+        let from_its_start = allocator::peak_reserved(&truth.trace.segments, events, lines.order);
+        assert_eq!(from_its_start, truth.peak_reserved);
+    }
+
     /// A step of a conv net at `batch` with its operators marked: the batch (1 MiB a sample),
     /// a convolution's output and a workspace freed at once (`workspace` MiB), then the
     /// activations freed.
