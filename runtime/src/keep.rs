@@ -106,6 +106,9 @@ pub(crate) fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
 impl Drop for Kept {
     fn drop(&mut self) {
         let _no_grad = tch::no_grad_guard();
+        for (tensor, values, _) in &mut self.saved {
+            tensor.copy_(values);
+        }
         let on_cuda = self
             .saved
             .iter()
@@ -115,13 +118,17 @@ impl Drop for Kept {
             // cached, they land inside its large segments and pin them: the next trial then
             // begins with a cache that depends on this one (on an H100 a GRU's 12 MiB gradient
             // held a 386 or a 602 MiB segment, and a trial reserved 2496 MiB where one from the
-            // other start reserved 2110 with the same requests). Emptied first, they get
-            // segments of their own, and every trial begins alike.
+            // other start reserved 2110 with the same requests). The trial's own gradients go
+            // first (cuDNN's RNN makes them as views of one buffer, which holds its segment
+            // until the last goes), then the cache: the ones put back get segments of their
+            // own, and every trial begins alike.
+            for (tensor, _, _) in &mut self.saved {
+                set_grad(tensor, None);
+            }
             tch::Cuda::synchronize(crate::cuda_stats::DEVICE);
             let _ = crate::cuda_stats::empty_cache();
         }
-        for (tensor, values, grad) in &mut self.saved {
-            tensor.copy_(values);
+        for (tensor, _, grad) in &mut self.saved {
             let device_grad = grad.as_ref().map(|g| g.to_device(tensor.device()));
             set_grad(tensor, device_grad.as_ref());
         }
