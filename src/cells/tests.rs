@@ -660,6 +660,45 @@ fn optimize_fit_times_each_swapped_optimizer_before_it_ranks_them() {
 }
 
 #[test]
+fn optimize_fit_replays_the_heaviest_operators_of_each_base_at_the_cells_batch() {
+    // On the trials' line the loop needs 6 GiB at 64 (80 MiB a sample over 1 GiB); run alone
+    // there, its backward takes a 512 MiB workspace, not 3 GiB: 3.5 GiB, which a trial at 64
+    // confirms. In 4 GiB, the loop as written fits.
+    let mut recording = recording_gpu(Some(512 * MIB));
+    let mut cells = cells(FakeRunner::new(move |code: &str| {
+        let mut outcome = recording(code);
+        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
+            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+            if batch_of(code) == 64 {
+                let peak = (1024 + 32 * 64 + 512) * MIB;
+                run.peak_allocated = Some(peak);
+                run.peak_reserved = Some(peak);
+            }
+            *json = serde_json::to_string(&run).unwrap();
+        }
+        outcome
+    }));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%%optimize --fit 4GiB\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    let replays = cells
+        .runner
+        .ran
+        .iter()
+        .filter(|code| code.starts_with("tchmem::op_trace::replay(") && code.contains(", 64, "))
+        .count();
+    assert!(replays >= 2, "one replay per base: {:?}", cells.runner.ran);
+    assert!(
+        shown.all().contains("The loop fits as written."),
+        "{}",
+        shown.all()
+    );
+    let last = cells.runner.ran.last().unwrap();
+    assert!(!last.contains("tchmem::accumulate::"), "{last}");
+    assert_eq!(batch_of(last), 64);
+}
+
+#[test]
 fn a_magic_mistake_is_explained_and_runs_nothing() {
     let mut cells = cells(FakeRunner::on(gpu()));
     let outcome = cells.execute(&format!("%memfit --margin lots\n{LOOP}"), CellIo::quiet());
