@@ -7,7 +7,9 @@
 //! from the same weights, and the notebook's model is as it was.
 //!
 //! The copy is held in host memory, so that it takes no device memory from what a trial
-//! measures.
+//! measures. On CUDA the gradients go back after the trial's own are dropped and the allocator's
+//! cache emptied, into segments of their own: the next trial then begins with the same cache
+//! whatever this one left (see `Drop`).
 
 use std::collections::HashSet;
 use std::ffi::c_char;
@@ -42,16 +44,21 @@ extern "C" {
     ) -> c_int;
 }
 
-/// A `VarStore`'s state, put back when this is dropped.
-#[must_use = "the store is put back when the kept copy is dropped"]
+/// The state of the `VarStore`s kept for one run, put back when this is dropped.
+#[must_use = "the stores are put back when the kept copy is dropped"]
 pub struct Kept {
+    stores: Vec<KeptStore>,
+    /// Where their trainable variables are (see [`kept_addresses`]).
+    addresses: Vec<usize>,
+}
+
+/// One store's state.
+struct KeptStore {
     variables: Arc<Mutex<Variables>>,
     /// Each variable (sharing its storage), its values and its gradient, in host memory.
     saved: Vec<(Tensor, Tensor, Option<Tensor>)>,
     names: HashSet<String>,
     trainable: usize,
-    /// Where its trainable variables are (see [`kept_addresses`]).
-    addresses: Vec<usize>,
 }
 
 /// A host copy of `tensor`.
@@ -63,34 +70,48 @@ fn host_copy(tensor: &Tensor) -> Tensor {
 
 /// Keeps `store`'s variables and gradients until the returned value is dropped.
 pub fn keep(store: &VarStore) -> Kept {
-    let variables = Arc::clone(&store.variables_);
-    let guard = crate::state::lock(&variables);
+    keep_all(&[store])
+}
+
+/// Keeps the variables and gradients of every store in `stores` until the returned value is
+/// dropped. One value for them all: their gradients go back after every store's trial gradients
+/// are gone (see `Drop`).
+pub fn keep_all(stores: &[&VarStore]) -> Kept {
     let _no_grad = tch::no_grad_guard();
-    let saved = guard
-        .named_variables
-        .values()
-        .map(|tensor| {
-            let grad = tensor.grad();
-            let grad = grad.defined().then(|| host_copy(&grad));
-            (tensor.shallow_clone(), host_copy(tensor), grad)
+    let mut addresses = Vec::new();
+    let stores = stores
+        .iter()
+        .map(|store| {
+            let variables = Arc::clone(&store.variables_);
+            let guard = crate::state::lock(&variables);
+            let saved = guard
+                .named_variables
+                .values()
+                .map(|tensor| {
+                    let grad = tensor.grad();
+                    let grad = grad.defined().then(|| host_copy(&grad));
+                    (tensor.shallow_clone(), host_copy(tensor), grad)
+                })
+                .collect();
+            let names = guard.named_variables.keys().cloned().collect();
+            let trainable = guard.trainable_variables.len();
+            addresses.extend(
+                guard
+                    .trainable_variables
+                    .iter()
+                    .map(|var| var.tensor.data_ptr() as usize),
+            );
+            drop(guard);
+            KeptStore {
+                variables,
+                saved,
+                names,
+                trainable,
+            }
         })
         .collect();
-    let names = guard.named_variables.keys().cloned().collect();
-    let trainable = guard.trainable_variables.len();
-    let addresses: Vec<usize> = guard
-        .trainable_variables
-        .iter()
-        .map(|var| var.tensor.data_ptr() as usize)
-        .collect();
-    drop(guard);
     crate::state::lock(&KEPT_ADDRESSES).extend(&addresses);
-    Kept {
-        addresses,
-        variables,
-        saved,
-        names,
-        trainable,
-    }
+    Kept { stores, addresses }
 }
 
 /// Sets `tensor`'s gradient to `grad`, or removes it (a failure is reported, not raised).
@@ -103,40 +124,74 @@ pub(crate) fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
     }
 }
 
-impl Drop for Kept {
-    fn drop(&mut self) {
-        let _no_grad = tch::no_grad_guard();
+impl KeptStore {
+    /// Puts the values back into the variables' own storage and removes the variables the run
+    /// added (with whatever they hold).
+    fn put_values_back(&mut self) {
         for (tensor, values, _) in &mut self.saved {
-            tensor.copy_(values);
-        }
-        let on_cuda = self
-            .saved
-            .iter()
-            .any(|(t, _, g)| g.is_some() && t.device().is_cuda());
-        if on_cuda {
-            // The gradients put back are new device tensors. Made while the trial's blocks are
-            // cached, they land inside its large segments and pin them: the next trial then
-            // begins with a cache that depends on this one (on an H100 a GRU's 12 MiB gradient
-            // held a 386 or a 602 MiB segment, and a trial reserved 2496 MiB where one from the
-            // other start reserved 2110 with the same requests). The trial's own gradients go
-            // first (cuDNN's RNN makes them as views of one buffer, which holds its segment
-            // until the last goes), then the cache: the ones put back get segments of their
-            // own, and every trial begins alike.
-            for (tensor, _, _) in &mut self.saved {
-                set_grad(tensor, None);
+            if let Err(error) = tensor.f_copy_(values) {
+                eprintln!("tchmem: a kept variable's values could not be put back: {error}");
             }
-            tch::Cuda::synchronize(crate::cuda_stats::DEVICE);
-            let _ = crate::cuda_stats::empty_cache();
-        }
-        for (tensor, _, grad) in &mut self.saved {
-            let device_grad = grad.as_ref().map(|g| g.to_device(tensor.device()));
-            set_grad(tensor, device_grad.as_ref());
         }
         let mut guard = crate::state::lock(&self.variables);
         let names = &self.names;
         guard.named_variables.retain(|name, _| names.contains(name));
         guard.trainable_variables.truncate(self.trainable);
-        drop(guard);
+    }
+
+    /// Whether a gradient goes back onto a CUDA device.
+    fn puts_gradients_on_cuda(&self) -> bool {
+        self.saved
+            .iter()
+            .any(|(t, _, g)| g.is_some() && t.device().is_cuda())
+    }
+
+    /// Removes the run's gradients.
+    fn drop_gradients(&mut self) {
+        for (tensor, _, _) in &mut self.saved {
+            set_grad(tensor, None);
+        }
+    }
+
+    /// Puts the kept gradients back (none where there were none).
+    fn put_gradients_back(&mut self) {
+        for (tensor, _, grad) in &mut self.saved {
+            let device_grad = match grad.as_ref().map(|g| g.f_to_device(tensor.device())) {
+                Some(Ok(grad)) => Some(grad),
+                Some(Err(error)) => {
+                    eprintln!("tchmem: a kept variable's gradient could not be put back: {error}");
+                    None
+                }
+                None => None,
+            };
+            set_grad(tensor, device_grad.as_ref());
+        }
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        let _no_grad = tch::no_grad_guard();
+        for store in &mut self.stores {
+            store.put_values_back();
+        }
+        if self.stores.iter().any(KeptStore::puts_gradients_on_cuda) {
+            // The gradients put back are new device tensors. Made while the run's blocks are
+            // cached, they land inside its large segments and pin them: the next trial then
+            // begins with a cache that depends on this one (on an H100 a GRU's 12 MiB gradient
+            // held a 386 or a 602 MiB segment, and a trial reserved 2496 MiB where one from the
+            // other start reserved 2110 with the same requests). Every store's run gradients go
+            // first (cuDNN's RNN makes them as views of one buffer, which holds its segment
+            // until the last goes), then the cache (freeing a segment waits for the device): the
+            // ones put back get segments of their own, and every trial begins alike.
+            for store in &mut self.stores {
+                store.drop_gradients();
+            }
+            let _ = crate::cuda_stats::empty_cache();
+        }
+        for store in &mut self.stores {
+            store.put_gradients_back();
+        }
         let mut kept = crate::state::lock(&KEPT_ADDRESSES);
         for address in &self.addresses {
             if let Some(at) = kept.iter().position(|a| a == address) {
@@ -209,5 +264,34 @@ mod tests {
         }));
         assert!(result.is_err());
         assert_eq!(bytes(&vs), with_grads);
+    }
+
+    #[test]
+    fn stores_kept_together_are_all_put_back() {
+        // A GAN's generator and critic: the critic with gradients, the generator without.
+        let (gen, critic) = (
+            nn::VarStore::new(Device::Cpu),
+            nn::VarStore::new(Device::Cpu),
+        );
+        let g = nn::linear(gen.root() / "g", 3, 3, Default::default());
+        let c = nn::linear(critic.root() / "c", 3, 1, Default::default());
+        let input = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
+        c.forward(&g.forward(&input).detach())
+            .sum(Kind::Float)
+            .backward();
+        let before = (bytes(&gen), bytes(&critic));
+        {
+            let _kept = super::keep_all(&[&gen, &critic]);
+            let mut g_opt = nn::Sgd::default().build(&gen, 1.0).unwrap();
+            let mut c_opt = nn::Sgd::default().build(&critic, 1.0).unwrap();
+            g_opt.zero_grad();
+            c_opt.backward_step(&c.forward(&g.forward(&input)).sum(Kind::Float));
+            g_opt.step();
+            let _extra = critic.root().zeros("extra", &[2]);
+            assert_ne!((bytes(&gen), bytes(&critic)), before);
+        }
+        assert_eq!((bytes(&gen), bytes(&critic)), before);
+        assert!(before.0.iter().all(|(_, _, grad)| grad.is_none()));
+        assert!(before.1.iter().all(|(_, _, grad)| grad.is_some()));
     }
 }

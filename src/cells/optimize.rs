@@ -99,15 +99,15 @@ pub(super) fn compare_cell(instrumented: &str, steps: u32, keep: &[String], begi
              tchmem::compare::finish()\n"
         );
     }
-    let kept: String = keep
-        .iter()
-        .map(|store| format!("tchmem::keep::keep(&{store}), "))
-        .collect();
-    // The kept copies live in the block, so they are dropped (and put back) when it ends. The
-    // block's value is bound and then the cell's value: a block as the cell's last expression
-    // is shown with `Debug` by evcxr when the cell has a `?`.
+    let kept: Vec<String> = keep.iter().map(|store| format!("&{store}")).collect();
+    let kept = kept.join(", ");
+    // The kept copy lives in the block, so it is dropped (and the stores put back) when it
+    // ends; one copy of them all, so that no store's gradients go back while another's run
+    // gradients still hold the run's segments. The block's value is bound and then the cell's
+    // value: a block as the cell's last expression is shown with `Debug` by evcxr when the cell
+    // has a `?`.
     format!(
-        "{commands}\nlet __tchmem_finished = {{\nlet __tchmem_kept = ({kept});\n\
+        "{commands}\nlet __tchmem_finished = {{\nlet __tchmem_kept = tchmem::keep::keep_all(&[{kept}]);\n\
          {begin}({steps});\nlet _ = {{\n{code}\n}};\ntchmem::compare::finish()\n\
          }};\n__tchmem_finished\n"
     )
@@ -315,8 +315,8 @@ mod tests {
         );
         assert!(
             cell.contains(
-                "let __tchmem_finished = {\nlet __tchmem_kept = (tchmem::keep::keep(&vs), \
-                 tchmem::keep::keep(&critic), );\ntchmem::compare::begin(2);\nlet _ = \
+                "let __tchmem_finished = {\nlet __tchmem_kept = \
+                 tchmem::keep::keep_all(&[&vs, &critic]);\ntchmem::compare::begin(2);\nlet _ = \
                  {\nopt.backward_step(&loss);\n};\ntchmem::compare::finish()\n};\n\
                  __tchmem_finished"
             ),

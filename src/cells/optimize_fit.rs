@@ -68,17 +68,10 @@ impl<R: Runner> Cells<R> {
             display_sink(&io.output),
         );
         let mut notes = Vec::new();
-        let mut calibrations = match self.calibrate_bases(&cell, &mut table, &mut notes) {
+        let calibrations = match self.calibrate_bases(&cell, &mut table, &mut notes) {
             Ok(calibrations) => calibrations,
             Err(stopped) => return *stopped,
         };
-        // Each base's heaviest operators run alone at the cell's batch, as `%memestimate`'s do:
-        // on lines through two small trials alone, resnet18's peak as written came out 2.0 GiB
-        // where it ran in 1.6 (cuDNN's workspaces do not follow the batch). The candidates that
-        // accumulate run smaller micro-batches, and keep their lines.
-        for (_, calibration) in &mut calibrations {
-            self.replay_heaviest(calibration, batch);
-        }
         let optimizers = match self.time_swaps(&cell, &calibrations, &mut table, &mut notes) {
             Ok(optimizers) => optimizers,
             Err(stopped) => return *stopped,
@@ -182,7 +175,12 @@ impl<R: Runner> Cells<R> {
     }
 
     /// Calibrates each base configuration (as written, checkpoint, bf16, both) at the cell's
-    /// batch; a base that does not apply or did not run is noted instead.
+    /// batch, and runs its heaviest operators alone there, as `%memestimate` does: on lines
+    /// through two small trials alone, resnet18's peak as written came out 2.0 GiB where it ran
+    /// in 1.6 (cuDNN's workspaces do not follow the batch). Right after the base's own trials:
+    /// the child keeps only the last few recordings, fewer than nine bases make. The candidates
+    /// that accumulate run smaller micro-batches, and keep their lines. A base that does not
+    /// apply or did not run is noted instead.
     fn calibrate_bases(
         &mut self,
         cell: &TrainingCell,
@@ -198,7 +196,10 @@ impl<R: Runner> Cells<R> {
                 continue;
             }
             match self.calibrate(cell, &base.options(), cell.binding.value, table) {
-                Ok(Ok(calibration)) => calibrations.push((base, calibration)),
+                Ok(Ok(mut calibration)) => {
+                    self.replay_heaviest(&mut calibration, cell.binding.value);
+                    calibrations.push((base, calibration));
+                }
                 Ok(Err(why)) => notes.push(format!("{}: {why}", name_of(&base.options()))),
                 Err(TrialError::Refused(refusal)) => {
                     let fused_alone = base.fused_loss && !base.checkpoint && !base.bf16;

@@ -345,7 +345,7 @@ fn memfit_follows_the_batch_optimizer_and_model_back_to_their_cells() {
             trial.contains("// from cell [2]\nlet mut opt = nn::Adam::default()"),
             "{trial}"
         );
-        assert!(trial.contains("tchmem::keep::keep(&vs)"), "{trial}");
+        assert!(trial.contains("tchmem::keep::keep_all(&[&vs])"), "{trial}");
     }
     // Nothing of the session changed: the loop's own cell binds nothing new.
     let shown = Shown::default();
@@ -681,13 +681,25 @@ fn optimize_fit_replays_the_heaviest_operators_of_each_base_at_the_cells_batch()
     let shown = Shown::default();
     let outcome = cells.execute(&format!("%%optimize --fit 4GiB\n{LOOP}"), shown.io());
     assert_eq!(outcome.error, None, "{}", shown.all());
-    let replays = cells
-        .runner
-        .ran
+    // Each base's replay right after its two calibration trials (the child keeps only the last
+    // few recordings): trials and replays alternate two to one until the swaps are timed.
+    let ran = &cells.runner.ran;
+    let is_replay = |code: &String| code.starts_with("tchmem::op_trace::replay(");
+    let steps: Vec<char> = ran
         .iter()
-        .filter(|code| code.starts_with("tchmem::op_trace::replay(") && code.contains(", 64, "))
-        .count();
-    assert!(replays >= 2, "one replay per base: {:?}", cells.runner.ran);
+        .filter(|code| is_replay(code) || code.contains("tchmem::compare::begin_recording_ops"))
+        .map(|code| if is_replay(code) { 'r' } else { 't' })
+        .collect();
+    let steps: String = steps.into_iter().collect();
+    let bases = steps.matches('r').count();
+    assert!(bases >= 2, "{steps}");
+    assert!(steps.starts_with(&"ttr".repeat(bases)), "{steps}");
+    assert!(
+        ran.iter()
+            .filter(|code| is_replay(code))
+            .all(|code| code.contains(", 64, ")),
+        "{ran:?}"
+    );
     assert!(
         shown.all().contains("The loop fits as written."),
         "{}",
