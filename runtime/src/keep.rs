@@ -1,7 +1,8 @@
 //! A model kept across a trial. `%%optimize --compare` and the "will it fit?" magics run the
 //! user's training code for a few steps; when its model was made in an earlier cell, those steps
-//! would train the notebook's model. The kernel keeps each such `VarStore` first ([`keep`]) and
-//! the kept copy puts everything back when it is dropped, a panic or an out-of-memory included:
+//! would train the notebook's model. The kernel keeps such `VarStore`s first, all of a run's in
+//! one copy ([`keep_all`]; [`keep`] for one), which puts everything back when it is dropped, a
+//! panic or an out-of-memory included:
 //! the values of the variables, their gradients (none where there were none), and the store's
 //! list of variables (those a trial added are removed). Both sides of a comparison then start
 //! from the same weights, and the notebook's model is as it was.
