@@ -592,13 +592,21 @@ fn optimize_fit_runs_the_fastest_configuration_that_fits_the_budget() {
     assert_eq!(batch_of(last), 64, "the cell's own batch runs");
 }
 
+/// `outcome` with its compare run (a trial's measurements, where it has one) changed by `edit`.
+fn with_run(mut outcome: CellOutcome, edit: impl FnOnce(&mut CompareRun)) -> CellOutcome {
+    if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
+        let mut run: CompareRun = serde_json::from_str(json).unwrap();
+        edit(&mut run);
+        *json = serde_json::to_string(&run).unwrap();
+    }
+    outcome
+}
+
 /// A GPU whose trials time their optimizer step (5 ms for the cell's Adam) where `timed` (but
 /// never Adafactor's), and where Lion steps, 40 ms shorter steps.
 fn gpu_with_a_fast_lion(timed: bool) -> impl FnMut(&str) -> CellOutcome {
     move |code: &str| {
-        let mut outcome = gpu().answer(code);
-        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
-            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+        with_run(gpu().answer(code), |run| {
             let lion = code.contains("Lion");
             if lion {
                 run.step_seconds = vec![0.5, 0.06, 0.06];
@@ -606,9 +614,7 @@ fn gpu_with_a_fast_lion(timed: bool) -> impl FnMut(&str) -> CellOutcome {
             if timed && !code.contains("Adafactor") {
                 run.optimizer_step_seconds = vec![if lion { 0.001 } else { 0.005 }];
             }
-            *json = serde_json::to_string(&run).unwrap();
-        }
-        outcome
+        })
     }
 }
 
@@ -666,17 +672,13 @@ fn optimize_fit_replays_the_heaviest_operators_of_each_base_at_the_cells_batch()
     // confirms. In 4 GiB, the loop as written fits.
     let mut recording = recording_gpu(Some(512 * MIB));
     let mut cells = cells(FakeRunner::new(move |code: &str| {
-        let mut outcome = recording(code);
-        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
-            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+        with_run(recording(code), |run| {
             if batch_of(code) == 64 {
                 let peak = (1024 + 32 * 64 + 512) * MIB;
                 run.peak_allocated = Some(peak);
                 run.peak_reserved = Some(peak);
             }
-            *json = serde_json::to_string(&run).unwrap();
-        }
-        outcome
+        })
     }));
     let shown = Shown::default();
     let outcome = cells.execute(&format!("%%optimize --fit 4GiB\n{LOOP}"), shown.io());
@@ -850,9 +852,7 @@ fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
     // it cannot from trials of Adam. The model holds one 8192 × 8192 f32 matrix (256 MiB): Adam
     // keeps 512 MiB of state for it, Adafactor 64 KiB.
     let slow_adafactor = |code: &str| {
-        let mut outcome = gpu().answer(code);
-        if let Some(json) = outcome.data.get_mut(COMPARE_RUN_MIME) {
-            let mut run: CompareRun = serde_json::from_str(json).unwrap();
+        with_run(gpu().answer(code), |run| {
             run.parameters = vec![tchmem_wire::estimate::ParamShape {
                 dims: vec![8192, 8192],
                 element_size: 4,
@@ -860,9 +860,7 @@ fn an_estimate_with_another_optimizer_runs_and_times_it_in_its_trials() {
             if code.contains("Adafactor") {
                 run.step_seconds = vec![1.5, 0.3, 0.3];
             }
-            *json = serde_json::to_string(&run).unwrap();
-        }
-        outcome
+        })
     };
     let mut cells = cells(FakeRunner::new(slow_adafactor));
     let shown = Shown::default();

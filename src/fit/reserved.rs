@@ -244,6 +244,22 @@ impl<'a> ReservedLines<'a> {
         measured
     }
 
+    /// The larger trial's events with its requests at `sizes` (one per request, in order).
+    fn events_at(&self, sizes: &[u64]) -> Vec<AllocEvent> {
+        let mut request = 0;
+        self.large
+            .trace
+            .decoded()
+            .map(|event| match event {
+                AllocEvent::Alloc(_) => {
+                    request += 1;
+                    AllocEvent::Alloc(sizes[request - 1])
+                }
+                free => free,
+            })
+            .collect()
+    }
+
     /// The peak reserved bytes at `micro`: the larger trial's events at the sizes predicted
     /// there, from the segments it began with, new segments in the order that reproduced the
     /// trial; and in the other order. With `micro_batches` (the model's parameters and how many
@@ -264,19 +280,7 @@ impl<'a> ReservedLines<'a> {
             measured.len()
         );
         let sizes = self.sizes_at(micro, &measured);
-        let mut request = 0;
-        let mut events: Vec<AllocEvent> = self
-            .large
-            .trace
-            .decoded()
-            .map(|event| match event {
-                AllocEvent::Alloc(_) => {
-                    request += 1;
-                    AllocEvent::Alloc(sizes[request - 1])
-                }
-                free => free,
-            })
-            .collect();
+        let mut events = self.events_at(&sizes);
         if let Some((parameters, k)) = micro_batches {
             events = accumulated::micro_batched(self.large.trace, parameters, &events, k)?;
         }
@@ -554,14 +558,7 @@ pub(crate) mod tests {
         let e = error(predicted, truth.peak_reserved);
         assert!(e < -0.15, "{e:+.3}");
         // The same events from the segments the trial at 128 began with.
-        let mut request = 0;
-        let events = large.trace.decoded().map(|event| match event {
-            AllocEvent::Alloc(_) => {
-                request += 1;
-                AllocEvent::Alloc(sizes[request - 1])
-            }
-            free => free,
-        });
+        let events = lines.events_at(&sizes);
         let from_its_start = allocator::peak_reserved(&truth.trace.segments, events, lines.order);
         assert_eq!(from_its_start, truth.peak_reserved);
     }
