@@ -180,6 +180,10 @@ impl<R: Runner> Cells<R> {
         self.live_label = Some(format!("trial at batch {batch}{}", options.flags()));
         let outcome = self.run_cell_code(&run, self.live_view_only());
         self.live_label = None;
+        let run = outcome
+            .data
+            .get(COMPARE_RUN_MIME)
+            .and_then(|json| serde_json::from_str::<CompareRun>(json).ok());
         let result = match &outcome.error {
             Some(error) if error.stops_the_run() => {
                 return Err(TrialError::Stopped(Box::new(outcome)))
@@ -190,22 +194,19 @@ impl<R: Runner> Cells<R> {
                 error.ename,
                 error.evalue.lines().next().unwrap_or_default()
             )),
-            None => outcome
-                .data
-                .get(COMPARE_RUN_MIME)
-                .and_then(|json| serde_json::from_str::<CompareRun>(json).ok())
-                .and_then(|run| Measured::of(&run))
-                .map_or_else(
-                    || Outcome::Failed("no training step was recorded".into()),
-                    Outcome::Ran,
-                ),
+            None => run.as_ref().and_then(Measured::of).map_or_else(
+                || Outcome::Failed("no training step was recorded".into()),
+                Outcome::Ran,
+            ),
         };
         let trial = Trial {
             options: options.clone(),
             batch,
             outcome: result,
         };
-        keep_for_study(&trial);
+        if let Some(run) = &run {
+            keep_for_study(&trial, run);
+        }
         Ok(trial)
     }
 
@@ -277,10 +278,11 @@ impl<R: Runner> Cells<R> {
 
 /// Where `TCHMEM_TRIAL_TRACES` names a folder, each trial that recorded the allocator's events
 /// is written there (`trial-<pid>-<n>.json`, in the form `src/fit/reserved.rs`'s tests read:
-/// batch, rewrites, the bytes it began with and peaked at, the parameters, the trace), so that a
-/// miss on the GPU machine can be studied on a machine without one. Best effort: a failed write
-/// is logged, the trial goes on.
-fn keep_for_study(trial: &Trial) {
+/// batch, rewrites, the bytes it began with and peaked at, the parameters, the trace, and every
+/// timed step's seconds with the GPU's work in the profiled one), so that a miss on the GPU
+/// machine can be studied on a machine without one. Best effort: a failed write is logged, the
+/// trial goes on.
+fn keep_for_study(trial: &Trial, run: &CompareRun) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static WRITTEN: AtomicUsize = AtomicUsize::new(0);
     let Some(dir) = std::env::var_os("TCHMEM_TRIAL_TRACES") else {
@@ -299,6 +301,8 @@ fn keep_for_study(trial: &Trial) {
         "peak_allocated": m.peak_allocated,
         "peak_reserved": m.peak_reserved,
         "parameters": m.parameters,
+        "step_seconds": run.step_seconds,
+        "gpu_busy_seconds": run.gpu_busy_seconds,
         "trace": &**trace,
     });
     let n = WRITTEN.fetch_add(1, Ordering::Relaxed);
