@@ -11,7 +11,7 @@ use super::escape;
 use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
 use crate::fit::estimate::Fixed;
-use crate::fit::estimate::{CacheSource, Prediction};
+use crate::fit::estimate::{CacheSource, Prediction, StepTime};
 use crate::fit::trial::{Measured, Outcome, Trial};
 use crate::rewrite::Options;
 
@@ -400,7 +400,7 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
     match (view.check, measured) {
         (Some(_), Some(m)) => format!(
             "\nChecked by a trial at the batch: peak allocated {} (predicted {}, {:+.1}%), \
-             reserved {} (predicted {}, {:+.1}%{}), step {:.1} ms (predicted {}{}).",
+             reserved {} (predicted {}, {:+.1}%{}), step {:.1} ms (predicted {}{}){}.",
             human_bytes(m.peak_allocated),
             human_bytes(prediction.peak_allocated),
             error(prediction.peak_allocated, m.peak_allocated) * 100.0,
@@ -430,6 +430,7 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
                 (true, false) => ": outside",
                 (false, _) => "",
             },
+            host_time_note(step_time, m),
         ),
         (Some(trial), None) => format!(
             "\nChecked by a trial at the batch: it {}.",
@@ -441,6 +442,38 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
         ),
         (None, _) => String::new(),
     }
+}
+
+/// Where a host-bound check ran slower than its range, how much of its step was the GPU's work:
+/// the rest was the host's, which varies from trial to trial and not with the batch (char_rnn
+/// on an H100: its plain steps took 8-47 ms at one batch with tch's 16 CPU threads, 9.5-13 ms
+/// with one; `results/gpu/2026-12-06-corpus/`).
+fn host_time_note(step_time: &StepTime, m: &Measured) -> String {
+    let Some(work) = m.gpu_busy_seconds else {
+        return String::new();
+    };
+    if !step_time.host_bound
+        || m.step_seconds <= step_time.high * 1.1
+        || work * 2.0 > m.step_seconds
+    {
+        return String::new();
+    }
+    let (fastest, slowest) = m.step_range;
+    let spread = if slowest > fastest * 1.5 {
+        format!(
+            " (its own steps took {:.1}-{:.1} ms)",
+            fastest * 1e3,
+            slowest * 1e3
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "; the GPU worked {:.1} ms of it, the host the rest{spread}: the host's time varied from \
+         trial to trial, not with the batch (CPU tensor work in the loop on many threads does so; \
+         docs/fit.md)",
+        work * 1e3
+    )
 }
 
 /// A trial's verdict in a table: ran, out of memory, or why it failed.
@@ -783,6 +816,46 @@ mod tests {
     use super::*;
     use crate::fit::estimate::{Calibration, Scenario};
     use tchmem_wire::estimate::OptimizerRule;
+
+    #[test]
+    fn a_host_bound_check_slower_than_its_range_says_the_gpu_worked_a_part_of_it() {
+        let host_bound = StepTime {
+            low: 0.010,
+            high: 0.020,
+            host_bound: true,
+            ..Default::default()
+        };
+        let slow = Measured {
+            step_seconds: 0.050,
+            step_range: (0.012, 0.055),
+            gpu_busy_seconds: Some(0.005),
+            ..Default::default()
+        };
+        let note = host_time_note(&host_bound, &slow);
+        assert!(
+            note.contains(
+                "the GPU worked 5.0 ms of it, the host the rest (its own steps took 12.0-55.0 ms)"
+            ),
+            "{note}"
+        );
+        // Within the range, or a step that was mostly the GPU's work, or a loop not bound by
+        // the host: nothing to say.
+        let within = Measured {
+            step_seconds: 0.019,
+            ..slow.clone()
+        };
+        assert_eq!(host_time_note(&host_bound, &within), "");
+        let working = Measured {
+            gpu_busy_seconds: Some(0.040),
+            ..slow.clone()
+        };
+        assert_eq!(host_time_note(&host_bound, &working), "");
+        let launch_bound = StepTime {
+            host_bound: false,
+            ..host_bound
+        };
+        assert_eq!(host_time_note(&launch_bound, &slow), "");
+    }
 
     #[test]
     fn an_estimate_shows_its_verdict_categories_and_capacity_line() {

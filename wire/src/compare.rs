@@ -115,7 +115,10 @@ impl CompareRun {
     }
 }
 
-/// The median after the first (which pays for warm-up and lazy state), or the only one.
+/// The median after the first (which pays for warm-up and lazy state), or the only one. Of an
+/// even count, the mean of the middle two: a trial times two steps, and taking the upper one
+/// made its typical step its slowest (char_rnn's steps on an H100 ran 8-47 ms at one batch,
+/// `results/gpu/2026-12-06-corpus/`).
 fn typical(seconds: &[f64]) -> Option<f64> {
     let mut times: Vec<f64> = seconds
         .get(1..)
@@ -126,7 +129,12 @@ fn typical(seconds: &[f64]) -> Option<f64> {
         return None;
     }
     times.sort_by(f64::total_cmp);
-    Some(times[times.len() / 2])
+    let middle = times.len() / 2;
+    Some(if times.len().is_multiple_of(2) {
+        (times[middle - 1] + times[middle]) / 2.0
+    } else {
+        times[middle]
+    })
 }
 
 #[cfg(test)]
@@ -148,6 +156,12 @@ mod tests {
         assert_eq!(one.typical_optimizer_step_seconds(), Some(0.04));
         assert_eq!(run.typical_optimizer_step_seconds(), None);
         assert_eq!(run.step_range_seconds(), Some((0.1, 0.3)));
+        // Two timed steps (a trial's): their mean, not the slower one.
+        let two = CompareRun {
+            step_seconds: vec![0.4, 0.01, 0.05],
+            ..Default::default()
+        };
+        assert!((two.typical_step_seconds().unwrap() - 0.03).abs() < 1e-12);
     }
 
     #[test]
