@@ -469,8 +469,8 @@ fn host_time_note(step_time: &StepTime, m: &Measured) -> String {
         String::new()
     };
     format!(
-        "; the GPU worked {:.1} ms of it, the host the rest{spread}: the host's time varied from \
-         trial to trial, not with the batch (CPU tensor work in the loop on many threads does so; \
+        "; the GPU worked {:.1} ms of it, the host the rest{spread}: the host's time varies \
+         from trial to trial, not with the batch (a loop's CPU tensor work on many threads can: \
          docs/fit.md)",
         work * 1e3
     )
