@@ -453,8 +453,8 @@ fn host_time_note(step_time: &StepTime, m: &Measured) -> String {
     let Some(work) = m.gpu_busy_seconds else {
         return String::new();
     };
-    let outside = m.step_seconds > step_time.high * 1.1 || m.step_seconds * 1.1 < step_time.low;
-    if !step_time.host_bound || !outside || work * 2.0 > m.step_seconds {
+    // Outside exactly where the verdict says so.
+    if !step_time.host_bound || step_time.holds(m.step_seconds) || work * 2.0 > m.step_seconds {
         return String::new();
     }
     let (fastest, slowest) = m.step_range;
