@@ -285,6 +285,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "peak_reserved": view.prediction.peak_reserved,
             "peak_reserved_low": spread.map(|(low, _)| low),
             "peak_reserved_high": spread.map(|(_, high)| high),
+            "peak_reserved_why": spread.map(|_| range_reason(view.prediction.cache_source)),
             "context": view.context,
             "capacity": view.capacity,
             "fits": total <= view.capacity,
@@ -315,6 +316,15 @@ pub fn estimate_display(view: &EstimateView) -> Display {
 /// What the estimate predicts beyond its table: the step time (and why it is a range), and
 /// peak reserved as a range where the calibration trials' caches disagree, or where the
 /// allocator's rules missed the larger trial's own peak.
+/// Why the peak reserved is a range, as the estimate's JSON names it.
+fn range_reason(source: CacheSource) -> &'static str {
+    match source {
+        CacheSource::Scaled | CacheSource::Rules => "trials_disagree",
+        CacheSource::RulesMissedTrial => "rules_missed_trial",
+        CacheSource::RulesSegmentOrder => "segment_order",
+    }
+}
+
 fn prediction_lines(prediction: &Prediction) -> String {
     let step_time = &prediction.step_time;
     let predicted_step = step_time.describe(prediction.step_seconds);
@@ -347,7 +357,8 @@ fn prediction_lines(prediction: &Prediction) -> String {
         }
         CacheSource::RulesSegmentOrder => {
             "which cached block the allocator reuses depends on where the device puts new \
-             segments, unknown ahead, and at this batch that changes the peak"
+             segments, unknown ahead, and at this batch that changes the peak: it takes one end \
+             or the other, and the point is their middle"
         }
         CacheSource::Scaled | CacheSource::Rules => {
             "the calibration trials' caches disagree (the allocator's segments did not grow with \
@@ -923,6 +934,10 @@ mod tests {
             display.data[ESTIMATE_MIME]["peak_reserved_low"],
             Value::Null
         );
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["peak_reserved_why"],
+            Value::Null
+        );
         assert_eq!(verdict(3, 2).split(':').next(), Some("does not fit"));
 
         // Trials whose caches disagree: peak reserved is told as a range, and checked against it.
@@ -954,6 +969,10 @@ mod tests {
         assert_eq!(
             display.data[ESTIMATE_MIME]["peak_reserved_high"],
             json!(prediction.peak_reserved * 2)
+        );
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["peak_reserved_why"],
+            "trials_disagree"
         );
         // The point fits a card the range's high end does not: the verdict says both.
         let total = prediction.peak_reserved + (500 << 20);
@@ -1050,7 +1069,8 @@ mod tests {
             ),
             (
                 CacheSource::RulesSegmentOrder,
-                "where the device puts new segments",
+                "where the device puts new segments, unknown ahead, and at this batch that \
+                 changes the peak: it takes one end or the other, and the point is their middle",
             ),
         ] {
             let ranged = Prediction {
