@@ -423,11 +423,7 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
                     "; range {}-{}: {}",
                     human_bytes(low),
                     human_bytes(high),
-                    if (low..=high).contains(&m.peak_reserved) {
-                        "within"
-                    } else {
-                        "outside"
-                    }
+                    range_verdict(low, high, m.peak_reserved)
                 ),
                 None => String::new(),
             },
@@ -453,6 +449,24 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
         ),
         (None, _) => String::new(),
     }
+}
+
+/// "within", or how far outside: a range's end is a prediction too, and 2 MiB over a 4 GiB
+/// range is not the miss 120 MiB under it is (an H100's VGG-style net at 256 and min_gpt at 128,
+/// `results/gpu/2026-12-06-reserved-middle/`).
+fn range_verdict(low: u64, high: u64, measured: u64) -> String {
+    let (by, end, side) = if measured > high {
+        (measured - high, high, "over its high end")
+    } else if measured < low {
+        (low - measured, low, "under its low end")
+    } else {
+        return "within".to_string();
+    };
+    format!(
+        "outside, {} ({:.1}%) {side}",
+        human_bytes(by),
+        by as f64 * 100.0 / end.max(1) as f64
+    )
 }
 
 /// Where a host-bound check fell outside its range by over a tenth, what set its length: the
@@ -828,6 +842,21 @@ mod tests {
     use tchmem_wire::estimate::OptimizerRule;
 
     #[test]
+    fn a_check_outside_its_reserved_range_says_by_how_much() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(range_verdict(3550 * MIB, 4196 * MIB, 4000 * MIB), "within");
+        assert_eq!(range_verdict(3550 * MIB, 4196 * MIB, 3550 * MIB), "within");
+        assert_eq!(
+            range_verdict(3550 * MIB, 4196 * MIB, 4198 * MIB),
+            "outside, 2.0 MiB (0.0%) over its high end"
+        );
+        assert_eq!(
+            range_verdict(6560 * MIB, 6860 * MIB, 6436 * MIB),
+            "outside, 124.0 MiB (1.9%) under its low end"
+        );
+    }
+
+    #[test]
     fn a_host_bound_check_outside_its_range_says_the_host_set_its_length() {
         let host_bound = StepTime {
             low: 0.010,
@@ -965,7 +994,10 @@ mod tests {
                 && html.contains("\npredicted peak reserved"),
             "{html}"
         );
-        assert!(text.contains(": outside), step"), "{text}");
+        assert!(
+            text.contains(": outside, ") && text.contains(" end), step"),
+            "{text}"
+        );
         assert_eq!(
             display.data[ESTIMATE_MIME]["peak_reserved_high"],
             json!(prediction.peak_reserved * 2)
