@@ -1,0 +1,47 @@
+"""Every `%memestimate --check` of the executed notebooks in the given folders, one line each:
+peak allocated and peak reserved errors against the check's own trial (with whether the measured
+peak reserved fell in its range, where one was told), and the measured step beside the predicted
+point and range.
+
+    python3 scripts/gpu/analysis/estimate_checks.py results/gpu/2026-12-06-reserved-middle/run*
+"""
+import glob
+import json
+import sys
+
+ESTIMATE = "application/vnd.tchmem.estimate+json"
+
+
+def checks(notebook):
+    """(magic line, estimate JSON) of each checked estimate in `notebook`."""
+    for cell in json.load(open(notebook))["cells"]:
+        source = "".join(cell["source"]).splitlines()
+        if not source or not source[0].startswith("%memestimate"):
+            continue
+        for output in cell.get("outputs", []):
+            e = output.get("data", {}).get(ESTIMATE)
+            if e and "measured_peak_allocated" in e:
+                yield source[0], e
+
+
+def main(folders):
+    notebooks = sorted(sum((glob.glob(f"{d}/*.ipynb") for d in folders), []))
+    for notebook in notebooks:
+        family = notebook.split("/")[-1].split(".")[0]
+        for line, e in checks(notebook):
+            allocated = 100 * (e["peak_allocated"] / e["measured_peak_allocated"] - 1)
+            reserved = 100 * (e["peak_reserved"] / e["measured_peak_reserved"] - 1)
+            low, high = e.get("peak_reserved_low"), e.get("peak_reserved_high")
+            held = "" if low is None else ("in" if low <= e["measured_peak_reserved"] <= high
+                                           else "OUT")
+            measured = e["measured_step_seconds"] * 1e3
+            point = e["step_seconds"] * 1e3
+            step_low = e.get("step_seconds_low", 0) * 1e3
+            step_high = e.get("step_seconds_high", 0) * 1e3
+            print(f"{family:13s} {line[12:40]:28s} alloc {allocated:+5.1f}  res {reserved:+5.1f} "
+                  f"{held:3s} step {measured:6.1f} pred {point:6.1f} "
+                  f"[{step_low:.1f}-{step_high:.1f}] {100 * (point / measured - 1):+5.0f}%")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
