@@ -313,9 +313,6 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     }
 }
 
-/// What the estimate predicts beyond its table: the step time (and why it is a range), and
-/// peak reserved as a range where the calibration trials' caches disagree, or where the
-/// allocator's rules missed the larger trial's own peak.
 /// Why the peak reserved is a range, as the estimate's JSON names it.
 fn range_reason(source: CacheSource) -> &'static str {
     match source {
@@ -325,6 +322,9 @@ fn range_reason(source: CacheSource) -> &'static str {
     }
 }
 
+/// What the estimate predicts beyond its table: the step time (and why it is a range), and
+/// peak reserved as a range where the calibration trials' caches disagree, where the
+/// allocator's rules missed the larger trial's own peak, or where the segment order decides it.
 fn prediction_lines(prediction: &Prediction) -> String {
     let step_time = &prediction.step_time;
     let predicted_step = step_time.describe(prediction.step_seconds);
@@ -357,8 +357,9 @@ fn prediction_lines(prediction: &Prediction) -> String {
         }
         CacheSource::RulesSegmentOrder => {
             "which cached block the allocator reuses depends on where the device puts new \
-             segments, unknown ahead, and at this batch that changes the peak: it takes one end \
-             or the other, and the point is their middle"
+             segments, unknown ahead, and at this batch that changes the peak: the measured peak \
+             mostly lands near one end or the other, and the point lies between them, the same \
+             fraction from either"
         }
         CacheSource::Scaled | CacheSource::Rules => {
             "the calibration trials' caches disagree (the allocator's segments did not grow with \
@@ -451,9 +452,9 @@ fn check_line(view: &EstimateView, measured: Option<&Measured>) -> String {
     }
 }
 
-/// "within", or how far outside: a range's end is a prediction too, and 2 MiB over a 4 GiB
-/// range is not the miss 120 MiB under it is (an H100's VGG-style net at 256 and min_gpt at 128,
-/// `results/gpu/2026-12-06-reserved-middle/`).
+/// "within", or how far outside, as a share of the end it passed: a range's end is a prediction
+/// too, and 2 MiB over a 4 GiB range is not the miss 124 MiB under one is (an H100's VGG-style
+/// net at 256 and min_gpt at 128, `results/gpu/2026-12-06-reserved-middle/`).
 fn range_verdict(low: u64, high: u64, measured: u64) -> String {
     let (by, end, side) = if measured > high {
         (measured - high, high, "over its high end")
@@ -463,7 +464,7 @@ fn range_verdict(low: u64, high: u64, measured: u64) -> String {
         return "within".to_string();
     };
     format!(
-        "outside, {} ({:.1}%) {side}",
+        "outside, {} ({:.2}% of it) {side}",
         human_bytes(by),
         by as f64 * 100.0 / end.max(1) as f64
     )
@@ -848,11 +849,11 @@ mod tests {
         assert_eq!(range_verdict(3550 * MIB, 4196 * MIB, 3550 * MIB), "within");
         assert_eq!(
             range_verdict(3550 * MIB, 4196 * MIB, 4198 * MIB),
-            "outside, 2.0 MiB (0.0%) over its high end"
+            "outside, 2.0 MiB (0.05% of it) over its high end"
         );
         assert_eq!(
             range_verdict(6560 * MIB, 6860 * MIB, 6436 * MIB),
-            "outside, 124.0 MiB (1.9%) under its low end"
+            "outside, 124.0 MiB (1.89% of it) under its low end"
         );
     }
 
@@ -1102,7 +1103,8 @@ mod tests {
             (
                 CacheSource::RulesSegmentOrder,
                 "where the device puts new segments, unknown ahead, and at this batch that \
-                 changes the peak: it takes one end or the other, and the point is their middle",
+                 changes the peak: the measured peak mostly lands near one end or the other, and \
+                 the point lies between them, the same fraction from either",
             ),
         ] {
             let ranged = Prediction {

@@ -20,12 +20,13 @@ def checks(notebook):
             continue
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
-            if e and "measured_peak_allocated" in e:
+            # A check whose trial failed or ran out of memory measured nothing.
+            if e and e.get("measured_peak_allocated") is not None:
                 yield source[0], e
 
 
 def main(folders):
-    notebooks = sorted(sum((glob.glob(f"{d}/*.ipynb") for d in folders), []))
+    notebooks = sorted(sum((glob.glob(f"{d}/**/*.ipynb", recursive=True) for d in folders), []))
     for notebook in notebooks:
         family = notebook.split("/")[-1].split(".")[0]
         for line, e in checks(notebook):
@@ -36,11 +37,12 @@ def main(folders):
                                            else "OUT")
             measured = e["measured_step_seconds"] * 1e3
             point = e["step_seconds"] * 1e3
-            step_low = e.get("step_seconds_low", 0) * 1e3
-            step_high = e.get("step_seconds_high", 0) * 1e3
+            # Runs before the step's range was in the JSON show none.
+            step_range = (f"[{e['step_seconds_low'] * 1e3:.1f}-{e['step_seconds_high'] * 1e3:.1f}]"
+                          if e.get("step_seconds_low") is not None else "")
             print(f"{family:13s} {line[12:40]:28s} alloc {allocated:+5.1f}  res {reserved:+5.1f} "
                   f"{held:3s} step {measured:6.1f} pred {point:6.1f} "
-                  f"[{step_low:.1f}-{step_high:.1f}] {100 * (point / measured - 1):+5.0f}%")
+                  f"{step_range} {100 * (point / measured - 1):+5.0f}%")
 
 
 if __name__ == "__main__":

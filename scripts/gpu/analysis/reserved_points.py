@@ -1,25 +1,33 @@
 """Peak-reserved ranges against their checks, across committed runs: for every `%memestimate
 --check` whose peak reserved was told as a range, where the measured peak fell in it (0 the low
-end, 1 the high end), and how far three points would have been from it: the one the estimate gave,
-the range's middle, and its high end. Split by why the range was given (the estimate's text), and
-counted against issue 20's goal (within 10%).
+end, 1 the high end), and how far four points would have been from it: the one the estimate gave,
+the range's arithmetic middle, its balanced middle (2·low·high/(low+high), the same fraction from
+either end, what the kernel gives since 2026-12-06) and its high end. Split by why the range was
+given, and counted against issue 20's goal (within 10%), over every range and over the
+segment-order ranges alone.
 
-    python3 scripts/gpu/analysis/reserved_points.py results/gpu/2026-12-06-*/
+    python3 scripts/gpu/analysis/reserved_points.py results/gpu/2026-12-06-begin-state \
+      results/gpu/2026-12-06-checkpoint-library results/gpu/2026-12-06-corpus
+
+Which rule gave a row's `point` depends on the kernel that ran it: the order the larger trial
+took for segment-order ranges before 2026-12-06's change, the balanced middle after (the column
+`rule` says which, from whether the point is an end).
 """
 import glob
 import json
 import sys
 
 ESTIMATE = "application/vnd.tchmem.estimate+json"
-# The verdict's reason for the range (src/report/fit.rs, `why_reserved`).
+# The verdict's reason for the range (src/report/fit.rs, `why_reserved`), for runs whose JSON
+# did not name it yet.
 WHY = {
     "where the device puts new segments": "segment order",
     "rules missed the larger calibration trial": "rules missed the trial",
     "calibration trials' caches disagree": "trials disagree",
 }
-
 WHY_NAMES = {"segment_order": "segment order", "rules_missed_trial": "rules missed the trial",
              "trials_disagree": "trials disagree"}
+POINTS = ("point", "middle", "balanced", "high")
 
 
 def why(text):
@@ -27,7 +35,8 @@ def why(text):
 
 
 def ranged_checks(notebook):
-    """(magic line, why, low, point, high, measured) for each ranged check of `notebook`."""
+    """(magic line, why, low, point, high, measured) for each ranged check of `notebook` whose
+    check trial ran (a check that failed or ran out of memory measured nothing)."""
     for cell in json.load(open(notebook))["cells"]:
         source = "".join(cell["source"])
         if not source.startswith("%memestimate"):
@@ -37,12 +46,11 @@ def ranged_checks(notebook):
         )
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
-            if not e or "measured_peak_reserved" not in e or e.get("peak_reserved_low") is None:
+            if not e or e.get("measured_peak_reserved") is None:
                 continue
-            low, high = e["peak_reserved_low"], e["peak_reserved_high"]
-            if high <= low:
+            low, high = e.get("peak_reserved_low"), e.get("peak_reserved_high")
+            if low is None or high is None or high <= low:
                 continue
-            # The JSON names the reason from 2026-12-06 on; the text before.
             reason = WHY_NAMES.get(e.get("peak_reserved_why"), why(text))
             yield (source.splitlines()[0], reason, low, e["peak_reserved"], high,
                    e["measured_peak_reserved"])
@@ -52,33 +60,38 @@ def error(predicted, measured):
     return 100.0 * (predicted / measured - 1.0)
 
 
+def points(low, point, high):
+    return {"point": point, "middle": (low + high) / 2, "balanced": 2 * low * high / (low + high),
+            "high": high}
+
+
+def count(rows, name):
+    """How many of `rows` each point had within 10% and within 1% of the measured peak."""
+    print(f"{len(rows)} {name}; within 10% / within 1% of the measured peak reserved:")
+    for key in POINTS:
+        errors = [error(points(low, point, high)[key], measured)
+                  for _, _, _, low, point, high, measured in rows]
+        print(f"  {key:9s} {sum(abs(e) <= 10 for e in errors):3d} / "
+              f"{sum(abs(e) <= 1 for e in errors):3d}")
+
+
 def main(folders):
     rows = []
     for folder in folders:
         for notebook in sorted(glob.glob(f"{folder}/**/*.ipynb", recursive=True)):
             for line, reason, low, point, high, measured in ranged_checks(notebook):
                 rows.append((notebook, line, reason, low, point, high, measured))
-    print(f"{'notebook':58s} {'check':30s} {'why':22s} {'where':>5s} "
-          f"{'point':>6s} {'middle':>6s} {'high':>6s} {'width':>5s}")
-    within = {"point": 0, "middle": 0, "high": 0}
-    exact = dict(within)
+    print(f"{'notebook':58s} {'check':30s} {'why':22s} {'rule':6s} {'where':>5s} "
+          + " ".join(f"{k:>8s}" for k in POINTS) + f" {'width':>5s}")
     for notebook, line, reason, low, point, high, measured in rows:
-        errors = {
-            "point": error(point, measured),
-            "middle": error((low + high) / 2, measured),
-            "high": error(high, measured),
-        }
-        for name, e in errors.items():
-            within[name] += abs(e) <= 10.0
-            exact[name] += abs(e) <= 1.0
+        rule = "an end" if point in (low, high) else "inside"
         where = (measured - low) / (high - low)
-        print(f"{notebook[-58:]:58s} {line[12:42]:30s} {reason:22s} {where:5.2f} "
-              + " ".join(f"{errors[k]:+6.1f}" for k in ("point", "middle", "high"))
-              + f" {error(high, low):5.1f}")
-    print(f"{len(rows)} ranged checks; within 10% / within 1% of the measured peak reserved:")
-    for name in within:
-        print(f"  {name:7s} {within[name]:3d} / {exact[name]:3d}")
-    # Which end the measured peak took (within 1%), for the ranges whose point was one end.
+        errors = " ".join(f"{error(p, measured):+8.1f}" for p in points(low, point, high).values())
+        print(f"{notebook[-58:]:58s} {line[12:42]:30s} {reason:22s} {rule:6s} {where:5.2f} "
+              f"{errors} {error(high, low):5.1f}")
+    count(rows, "ranged checks")
+    count([r for r in rows if r[2] == "segment order"], "segment-order ranges")
+    # Which end the measured peak took (within 1%), where the point was an end.
     ends = {}
     for _, _, reason, low, point, high, measured in rows:
         if point not in (low, high):
