@@ -198,7 +198,7 @@ pub enum CacheSource {
     RulesMissedTrial,
     /// The rules, as a range: where the device puts new segments decides the peak at this batch
     /// (see [`super::allocator::SegmentOrder`]); the point lies between the two orders' peaks,
-    /// the same fraction from either.
+    /// off by the same fraction whichever comes true.
     RulesSegmentOrder,
 }
 
@@ -651,13 +651,13 @@ impl Calibration {
                 // Where only the segment order leaves the peak open, the device takes either
                 // order, and the larger trial's is little guide to which (of 30 such checks in
                 // three rounds on an H100 the measured peak was within 1% of that order's in 13,
-                // of the other's in 10): the point is the one the same fraction from either end,
-                // 2·low·high/(low+high), within 10% of both up to a range 22% wide. That order
+                // of the other's in 10): the point is the one off by the same fraction whichever
+                // end comes true (`between`), within 10% of both up to a range 22% wide. That order
                 // as the point was within 10% in 25 of the 30, this point in 30, and in 12 of 12
                 // in the next round (`scripts/gpu/analysis/reserved_points.py`,
                 // `results/gpu/2026-12-06-reserved-middle/`).
                 let point = match (missed, other_order) {
-                    (None, Some(_)) if low > 0.0 => 2.0 * low * high / (low + high),
+                    (None, Some(_)) => between(low, high),
                     _ => reserved.max(floor),
                 };
                 Cache {
@@ -699,6 +699,16 @@ impl Calibration {
             high: scaled.iter().copied().fold(point, f64::max),
             source: CacheSource::Scaled,
         }
+    }
+}
+
+/// The point between two ends that is off by the same fraction whichever end comes true,
+/// 2·low·high/(low+high): within a tenth of both while `high` is under 11/9 of `low`.
+fn between(low: f64, high: f64) -> f64 {
+    if low + high > 0.0 {
+        2.0 * low * high / (low + high)
+    } else {
+        0.0
     }
 }
 
@@ -1439,6 +1449,20 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_point_between_two_ends_is_off_by_the_same_fraction_from_either() {
+        // resnet18 at 128 on an H100: 624 or 768 MiB, one or the other.
+        let (low, high) = (624.0, 768.0);
+        let point = super::between(low, high);
+        let from = |end: f64| point / end - 1.0;
+        assert!((from(low) + from(high)).abs() < 1e-12, "{point}");
+        assert!(from(low) < 0.104 && from(low) > 0.103, "{}", from(low));
+        // Within a tenth of both up to 11/9 of the low end, and no further.
+        assert!(super::between(900.0, 1099.0) / 900.0 - 1.0 < 0.1);
+        assert!(super::between(900.0, 1101.0) / 900.0 - 1.0 > 0.1);
+        assert_eq!(super::between(0.0, 0.0), 0.0);
+    }
+
+    #[test]
     fn where_the_segment_order_decides_the_peak_reserved_is_a_range_over_both() {
         // The wide VGG-style net on the H200: from its trials at 32 and 64, the two orders give
         // 128 peaks over a tenth apart; the measured one is the lower end, the order the trial
@@ -1465,7 +1489,7 @@ pub(crate) mod tests {
         let balanced = 2.0 * low as f64 * high as f64 / (low + high) as f64;
         assert!(
             (prediction.peak_reserved as f64 - balanced).abs() <= 1.0,
-            "the point is the same fraction from either end, not the order the trial at 64 took: \
+            "the point is off by the same fraction from either end, not the order the trial at 64 took: \
              {} for {low}-{high}",
             prediction.peak_reserved
         );

@@ -357,9 +357,9 @@ fn prediction_lines(prediction: &Prediction) -> String {
         }
         CacheSource::RulesSegmentOrder => {
             "which cached block the allocator reuses depends on where the device puts new \
-             segments, unknown ahead, and at this batch that changes the peak: the measured peak \
-             mostly lands near one end or the other, and the point lies between them, the same \
-             fraction from either"
+             segments, unknown ahead, and at this batch that changes the peak: a run's peak \
+             usually lands near one end or the other, and the point is off by the same percentage \
+             whichever it takes"
         }
         CacheSource::Scaled | CacheSource::Rules => {
             "the calibration trials' caches disagree (the allocator's segments did not grow with \
@@ -464,7 +464,7 @@ fn range_verdict(low: u64, high: u64, measured: u64) -> String {
         return "within".to_string();
     };
     format!(
-        "outside, {} ({:.2}% of it) {side}",
+        "outside, {} {side} ({:.2}% of that end)",
         human_bytes(by),
         by as f64 * 100.0 / end.max(1) as f64
     )
@@ -849,11 +849,11 @@ mod tests {
         assert_eq!(range_verdict(3550 * MIB, 4196 * MIB, 3550 * MIB), "within");
         assert_eq!(
             range_verdict(3550 * MIB, 4196 * MIB, 4198 * MIB),
-            "outside, 2.0 MiB (0.05% of it) over its high end"
+            "outside, 2.0 MiB over its high end (0.05% of that end)"
         );
         assert_eq!(
             range_verdict(6560 * MIB, 6860 * MIB, 6436 * MIB),
-            "outside, 124.0 MiB (1.89% of it) under its low end"
+            "outside, 124.0 MiB under its low end (1.89% of that end)"
         );
     }
 
@@ -996,7 +996,7 @@ mod tests {
             "{html}"
         );
         assert!(
-            text.contains(": outside, ") && text.contains(" end), step"),
+            text.contains(": outside, ") && text.contains(" of that end)), step"),
             "{text}"
         );
         assert_eq!(
@@ -1103,8 +1103,8 @@ mod tests {
             (
                 CacheSource::RulesSegmentOrder,
                 "where the device puts new segments, unknown ahead, and at this batch that \
-                 changes the peak: the measured peak mostly lands near one end or the other, and \
-                 the point lies between them, the same fraction from either",
+                 changes the peak: a run's peak usually lands near one end or the other, and the \
+                 point is off by the same percentage whichever it takes",
             ),
         ] {
             let ranged = Prediction {

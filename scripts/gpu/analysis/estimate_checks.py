@@ -3,7 +3,8 @@ peak allocated and peak reserved errors against the check's own trial (with whet
 peak reserved fell in its range, where one was told), and the measured step beside the predicted
 point and range.
 
-    python3 scripts/gpu/analysis/estimate_checks.py results/gpu/2026-12-06-reserved-middle/run*
+    python3 scripts/gpu/analysis/estimate_checks.py results/gpu/2026-12-06-reserved-middle/run1 \
+      results/gpu/2026-12-06-reserved-middle/run2
 """
 import glob
 import json

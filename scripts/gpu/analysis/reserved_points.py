@@ -9,9 +9,10 @@ segment-order ranges alone.
     python3 scripts/gpu/analysis/reserved_points.py results/gpu/2026-12-06-begin-state \
       results/gpu/2026-12-06-checkpoint-library results/gpu/2026-12-06-corpus
 
-Which rule gave a row's `point` depends on the kernel that ran it: the order the larger trial
-took for segment-order ranges before 2026-12-06's change, the balanced middle after (the column
-`rule` says which, from whether the point is an end).
+Which rule gave a segment-order row's `point` depends on the kernel that ran it: the order the
+larger trial took until 2b04fe3, the arithmetic middle at 2b04fe3 (`2026-12-06-reserved-middle`'s
+run1 and run2), the balanced middle from 385e8d4 (its run3 and run4). The column `rule` says
+only whether the point was an end or inside the range.
 """
 import glob
 import json
