@@ -303,6 +303,9 @@ fn keep_for_study(trial: &Trial, run: &CompareRun) {
         "parameters": m.parameters,
         "step_seconds": run.step_seconds,
         "gpu_busy_seconds": run.gpu_busy_seconds,
+        // Each operator's name and bytes: where two trials' operators differ, the estimate
+        // keeps its lines (see `fit::op_peak::OpLines::of`), and this says why.
+        "ops": m.ops.as_ref().map(|ops| &ops.ops),
         "trace": &**trace,
     });
     let n = WRITTEN.fetch_add(1, Ordering::Relaxed);

@@ -65,13 +65,27 @@ impl<'a> OpLines<'a> {
         let [.., small, large] = recorded.as_slice() else {
             return None;
         };
-        let same = small.ops.ops.len() == large.ops.ops.len()
-            && small
-                .ops
-                .ops
-                .iter()
-                .zip(&large.ops.ops)
-                .all(|(a, b)| a.name == b.name);
+        let first_difference = small
+            .ops
+            .ops
+            .iter()
+            .zip(&large.ops.ops)
+            .position(|(a, b)| a.name != b.name);
+        let same = small.ops.ops.len() == large.ops.ops.len() && first_difference.is_none();
+        if !same {
+            // Said where a developer looks: the estimate then keeps its lines through the trials.
+            tracing::debug!(
+                "the trials' operators differ ({} at batch {}, {} at {}){}: no replay",
+                small.ops.ops.len(),
+                small.batch,
+                large.ops.ops.len(),
+                large.batch,
+                first_difference.map_or(String::new(), |i| format!(
+                    ", first at #{i}: {} and {}",
+                    small.ops.ops[i].name, large.ops.ops[i].name
+                ))
+            );
+        }
         (same && small.batch < large.batch).then_some(OpLines {
             small: *small,
             large: *large,
