@@ -485,7 +485,7 @@ void tchmem_ops_take_carried(int64_t* allocated, int64_t* reserved) {
 // gets, for each i, what the operator allocated while it ran. Operators with the same arguments
 // run once.
 int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t b2,
-                      int64_t target, const size_t* indices, size_t count, int with_cuda,
+                      int64_t target, const size_t* pairs, size_t count, int with_cuda,
                       int device_index, int64_t* excess, void* log, void* context,
                       void (*sizes)(void* context, size_t i, const int64_t* bytes, size_t n),
                       char* err, size_t err_len) {
@@ -498,10 +498,13 @@ int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t
         auto on = static_cast<c10::DeviceIndex>(device_index);
         std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> done;
         for (size_t i = 0; i < count; i++) {
-          size_t k = indices[i];
-          TORCH_CHECK(k < r1->ops.size() && k < r2->ops.size(), "no operator ", k);
-          const Op& o1 = r1->ops[k];
-          const Op& o2 = r2->ops[k];
+          // The same operator in the two recordings: their indices differ where one step ran
+          // operators the other did not (one per sample, say).
+          size_t k1 = pairs[2 * i];
+          size_t k2 = pairs[2 * i + 1];
+          TORCH_CHECK(k1 < r1->ops.size() && k2 < r2->ops.size(), "no operator ", k1, "/", k2);
+          const Op& o1 = r1->ops[k1];
+          const Op& o2 = r2->ops[k2];
           std::string key = signature(o1) + "/" + signature(o2);
           auto found = done.find(key);
           if (found == done.end()) {

@@ -49,7 +49,7 @@ extern "C" {
         b1: i64,
         b2: i64,
         target: i64,
-        indices: *const usize,
+        pairs: *const usize,
         count: usize,
         cuda: c_int,
         device: c_int,
@@ -158,21 +158,22 @@ pub fn record<T>(f: impl FnOnce() -> T) -> Result<(T, OpTrace)> {
     }
 }
 
-/// Runs operators `indices` of the recording `first` (made at batch `b1`; `second`, at `b2`,
-/// tells which dimensions grow with the batch) alone at batch `target`, and measures what each
-/// allocated above what was there when it began (0 each without CUDA: they only run) and the
-/// sizes it allocated. A failure as a whole is in the answer's `error`.
+/// Runs operators of the recording `first` (made at batch `b1`; `second`, at `b2`, tells which
+/// dimensions grow with the batch) alone at batch `target`, each given as its index in `first`
+/// and in `second` (they differ where one step ran operators the other did not), and measures
+/// what each allocated above what was there when it began (0 each without CUDA: they only run)
+/// and the sizes it allocated. A failure as a whole is in the answer's `error`.
 pub fn replay(
     first: u64,
     second: u64,
     (b1, b2): (u64, u64),
     target: u64,
-    indices: &[usize],
+    pairs: &[(usize, usize)],
 ) -> Replayed {
-    match replay_all(first, second, (b1, b2), target, indices) {
+    match replay_all(first, second, (b1, b2), target, pairs) {
         Ok(answer) => Replayed(answer),
         Err(error) => Replayed(OpReplay {
-            excess: vec![None; indices.len()],
+            excess: vec![None; pairs.len()],
             allocations: Vec::new(),
             error: Some(error.to_string()),
         }),
@@ -184,7 +185,7 @@ fn replay_all(
     second: u64,
     (b1, b2): (u64, u64),
     target: u64,
-    indices: &[usize],
+    pairs: &[(usize, usize)],
 ) -> Result<OpReplay> {
     extern "C" fn sizes(context: *mut c_void, i: usize, bytes: *const i64, n: usize) {
         // SAFETY: `context` is the Vec below, of one item per index; `bytes` holds `n` items.
@@ -204,13 +205,15 @@ fn replay_all(
     let (Some(r1), Some(r2)) = (find(first), find(second)) else {
         return Err(crate::error::RuntimeError::NoOpRecording(first, second));
     };
-    let mut excess = vec![-1i64; indices.len()];
-    let mut allocations: Vec<Vec<u64>> = vec![Vec::new(); indices.len()];
+    let flat: Vec<usize> = pairs.iter().flat_map(|&(i, j)| [i, j]).collect();
+    let mut excess = vec![-1i64; pairs.len()];
+    let mut allocations: Vec<Vec<u64>> = vec![Vec::new(); pairs.len()];
     let cuda = tch::Cuda::is_available();
     let log = crate::alloc_trace::existing_log();
     let context = &mut allocations as *mut Vec<Vec<u64>> as *mut c_void;
-    // SAFETY: two live recordings, `indices` and `excess` of `indices.len()` elements, the
-    // process's log (or null), the Vec above for the callback, the error buffer.
+    // SAFETY: two live recordings, `flat` of twice `pairs.len()` elements and `excess` of
+    // `pairs.len()`, the process's log (or null), the Vec above for the callback, the error
+    // buffer.
     call(|e, n| unsafe {
         tchmem_ops_replay(
             r1 as *const c_void,
@@ -218,8 +221,8 @@ fn replay_all(
             b1 as i64,
             b2 as i64,
             target as i64,
-            indices.as_ptr(),
-            indices.len(),
+            flat.as_ptr(),
+            pairs.len(),
             cuda as c_int,
             DEVICE as c_int,
             excess.as_mut_ptr(),

@@ -81,17 +81,20 @@ fn a_training_step_is_recorded_operator_by_operator_and_replays_at_another_batch
     assert!(small.ops.iter().all(|op| op.start == 0 && op.excess == 0));
 
     // The backward operators run alone at batch 32, on zero-filled inputs scaled from 4 and 8.
-    let indices: Vec<usize> = backward.iter().map(|name| index(name)).collect();
+    let indices: Vec<(usize, usize)> = backward
+        .iter()
+        .map(|name| (index(name), index(name)))
+        .collect();
     let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &indices);
     assert_eq!(replayed.0.error, None);
     assert_eq!(replayed.0.excess, vec![Some(0); 3], "each ran");
     // So does every operator of the step.
-    let all: Vec<usize> = (0..small.ops.len()).collect();
+    let all: Vec<(usize, usize)> = (0..small.ops.len()).map(|i| (i, i)).collect();
     let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &all);
     let failed: Vec<&String> = all
         .iter()
-        .filter(|&&i| replayed.0.excess[i].is_none())
-        .map(|&i| &small.ops[i].name)
+        .filter(|&&(i, _)| replayed.0.excess[i].is_none())
+        .map(|&(i, _)| &small.ops[i].name)
         .collect();
     assert!(failed.is_empty(), "not replayed: {failed:?}");
     // Arguments as they lie in memory: a transposed matrix and an index list (Tensor?[]) are
@@ -119,11 +122,31 @@ fn a_training_step_is_recorded_operator_by_operator_and_replays_at_another_batch
             "aten::contiguous"
         ]
     );
-    let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &[0, 1, 2, 3, 4]);
+    let five: Vec<(usize, usize)> = (0..5).map(|i| (i, i)).collect();
+    let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &five);
     assert_eq!(
         replayed.0.excess,
         [Some(0), Some(0), Some(0), Some(0), None]
     );
+    // A batch built from one operator per sample: the same matmul is the third operator at 4
+    // and the fourth at 8, and replays by its pair of indices.
+    let built = |batch: i64| {
+        let a = Tensor::rand([batch, 6], (Kind::Float, Device::Cpu));
+        let w = Tensor::rand([5, 6], (Kind::Float, Device::Cpu));
+        let ((), trace) = tchmem::op_trace::record(|| {
+            for i in 0..batch / 4 {
+                let _ = a.narrow(0, i, 1);
+            }
+            let _ = a.matmul(&w.tr());
+        })
+        .unwrap();
+        trace
+    };
+    let (small, large) = (built(4), built(8));
+    assert_eq!(names(&small), ["aten::narrow", "aten::t", "aten::matmul"]);
+    assert_eq!(names(&large)[3], "aten::matmul");
+    let replayed = tchmem::op_trace::replay(small.id, large.id, (4, 8), 32, &[(2, 3), (1, 2)]);
+    assert_eq!(replayed.0.excess, [Some(0), Some(0)]);
     // A panic inside a recording stops it, and the next one records.
     let panicked = std::panic::catch_unwind(|| tchmem::op_trace::record(|| panic!("in a step")));
     assert!(panicked.is_err());

@@ -8,13 +8,13 @@ use crate::fit::estimate::Calibration;
 use crate::fit::op_peak::{OpLines, Replayed};
 use crate::session::CellIo;
 
-/// The cell that replays operators `indices` of two recordings at `micro`.
-pub(super) fn replay_code(lines: &OpLines<'_>, micro: u64, indices: &[usize]) -> String {
+/// The cell that replays operators `pairs` (each one's index in the two recordings) at `micro`.
+pub(super) fn replay_code(lines: &OpLines<'_>, micro: u64, pairs: &[(usize, usize)]) -> String {
     let ((first, second), (b1, b2)) = lines.recordings();
-    let indices: Vec<String> = indices.iter().map(usize::to_string).collect();
+    let pairs: Vec<String> = pairs.iter().map(|(i, j)| format!("({i}, {j})")).collect();
     format!(
         "tchmem::op_trace::replay({first}, {second}, ({b1}, {b2}), {micro}, &[{}])",
-        indices.join(", ")
+        pairs.join(", ")
     )
 }
 
@@ -26,11 +26,11 @@ impl<R: Runner> Cells<R> {
         let Some(lines) = OpLines::of(&calibration.points) else {
             return;
         };
-        let indices = lines.heaviest(micro);
-        let answer = if indices.is_empty() {
+        let pairs = lines.heaviest(micro);
+        let answer = if pairs.is_empty() {
             Some(OpReplay::default())
         } else {
-            let outcome = self.run(&replay_code(&lines, micro, &indices), CellIo::quiet());
+            let outcome = self.run(&replay_code(&lines, micro, &pairs), CellIo::quiet());
             outcome
                 .data
                 .get(OP_REPLAY_MIME)
@@ -41,16 +41,17 @@ impl<R: Runner> Cells<R> {
             tracing::info!("the operators' replay at {micro} gave no answer: lines only");
             return;
         };
-        let excess = indices
+        // By the larger trial's index, as its allocator trace marks its operators.
+        let excess = pairs
             .iter()
             .zip(answer.excess)
-            .filter_map(|(&i, bytes)| Some((i, bytes?)))
+            .filter_map(|(&(_, j), bytes)| Some((j, bytes?)))
             .collect();
-        let allocations = indices
+        let allocations = pairs
             .iter()
             .zip(answer.allocations)
             .filter(|(_, sizes)| !sizes.is_empty())
-            .map(|(&i, sizes)| (i, sizes))
+            .map(|(&(_, j), sizes)| (j, sizes))
             .collect();
         calibration.replayed = Some(Replayed {
             micro,

@@ -811,7 +811,7 @@ fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
             .runner
             .ran
             .iter()
-            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[0, 1])"),
+            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(0, 0), (1, 1)])"),
         "{:?}",
         cells.runner.ran
     );

@@ -12,8 +12,12 @@
 //! target's shapes (`tchmem::op_trace::replay`), and their excess measured there.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
-use tchmem_wire::op_trace::OpTrace;
+use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
+use tchmem_wire::op_trace::{OpCost, OpTrace};
+
+use super::reserved::{ALIGN_DEADLINE, MIN_ALIGNED};
 
 use super::trial::Measured;
 
@@ -34,10 +38,14 @@ pub struct Replayed {
 }
 
 /// Two calibration trials whose operators line up.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct OpLines<'a> {
     small: Point<'a>,
     large: Point<'a>,
+    /// For each of the larger trial's operators, the same operator's index in the smaller
+    /// trial's, if it ran there (a batch built from one operator per sample runs more of them
+    /// at the larger batch).
+    pairs: Vec<Option<usize>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -49,7 +57,9 @@ struct Point<'a> {
 
 impl<'a> OpLines<'a> {
     /// The last two points that recorded their operators, if those are the same operators in
-    /// the same order at two batch sizes.
+    /// the same order at two batch sizes, but for some that only the larger ran: at least
+    /// [`super::reserved::MIN_ALIGNED`] of the smaller trial's find their twin by name (a batch
+    /// built from one operator per sample runs more of them at the larger batch, however many).
     pub fn of(points: &'a [(u64, Measured)]) -> Option<OpLines<'a>> {
         let recorded: Vec<Point<'a>> = points
             .iter()
@@ -65,30 +75,24 @@ impl<'a> OpLines<'a> {
         let [.., small, large] = recorded.as_slice() else {
             return None;
         };
-        let first_difference = small
-            .ops
-            .ops
-            .iter()
-            .zip(&large.ops.ops)
-            .position(|(a, b)| a.name != b.name);
-        let same = small.ops.ops.len() == large.ops.ops.len() && first_difference.is_none();
-        if !same {
-            // Said where a developer looks: the estimate then keeps its lines through the trials.
+        let pairs = paired_by_name(&small.ops.ops, &large.ops.ops);
+        let lined_up = pairs.iter().flatten().count();
+        let enough = lined_up as f64 >= MIN_ALIGNED * small.ops.ops.len() as f64;
+        if lined_up < large.ops.ops.len() {
+            // Said where a developer looks: below the share, the estimate keeps its lines.
             tracing::debug!(
-                "the trials' operators differ ({} at batch {}, {} at {}){}: no replay",
+                "the trials' operators differ ({} at batch {}, {} at {}): {lined_up} line up{}",
                 small.ops.ops.len(),
                 small.batch,
                 large.ops.ops.len(),
                 large.batch,
-                first_difference.map_or(String::new(), |i| format!(
-                    ", first at #{i}: {} and {}",
-                    small.ops.ops[i].name, large.ops.ops[i].name
-                ))
+                if enough { "" } else { ", too few: no replay" }
             );
         }
-        (same && small.batch < large.batch).then_some(OpLines {
+        (enough && small.batch < large.batch).then_some(OpLines {
             small: *small,
             large: *large,
+            pairs,
         })
     }
 
@@ -105,16 +109,26 @@ impl<'a> OpLines<'a> {
         small + (large - small) * (at as f64 - b1) / (b2 - b1)
     }
 
-    /// Operator `i`'s start above what the notebook held, at `micro`.
-    fn start(&self, i: usize, micro: u64) -> f64 {
-        let above = |p: &Point| p.ops.ops[i].start.saturating_sub(p.begin) as f64;
-        self.line(above(&self.small), above(&self.large), micro)
+    /// `value` of the larger trial's operator `j` at `micro`: on its line through the smaller
+    /// trial's twin, or in proportion to the batch where it has none.
+    fn at(&self, j: usize, micro: u64, value: impl Fn(&Point, usize) -> f64) -> f64 {
+        let large = value(&self.large, j);
+        match self.pairs[j] {
+            Some(i) => self.line(value(&self.small, i), large, micro),
+            None => large * micro as f64 / self.large.batch as f64,
+        }
     }
 
-    /// Operator `i`'s excess on its line at `micro`.
-    fn excess_line(&self, i: usize, micro: u64) -> f64 {
-        let excess = |p: &Point| p.ops.ops[i].excess as f64;
-        self.line(excess(&self.small), excess(&self.large), micro)
+    /// Operator `j`'s start above what the notebook held, at `micro`.
+    fn start(&self, j: usize, micro: u64) -> f64 {
+        self.at(j, micro, |p, k| {
+            p.ops.ops[k].start.saturating_sub(p.begin) as f64
+        })
+    }
+
+    /// Operator `j`'s excess on its line at `micro`.
+    fn excess_line(&self, j: usize, micro: u64) -> f64 {
+        self.at(j, micro, |p, k| p.ops.ops[k].excess as f64)
             .max(0.0)
     }
 
@@ -122,46 +136,80 @@ impl<'a> OpLines<'a> {
     /// with the excess measured where `replayed` (at `micro`) has it.
     pub fn peak(&self, micro: u64, replayed: Option<&Replayed>) -> f64 {
         let replayed = replayed.filter(|r| r.micro == micro);
-        (0..self.small.ops.ops.len())
-            .map(|i| {
+        (0..self.large.ops.ops.len())
+            .map(|j| {
                 let excess = replayed
-                    .and_then(|r| r.excess.get(&i))
-                    .map_or_else(|| self.excess_line(i, micro), |&bytes| bytes as f64);
-                self.start(i, micro).max(0.0) + excess
+                    .and_then(|r| r.excess.get(&j))
+                    .map_or_else(|| self.excess_line(j, micro), |&bytes| bytes as f64);
+                self.start(j, micro).max(0.0) + excess
             })
             .fold(0.0, f64::max)
     }
 
-    /// The operators to replay at `micro`: those whose excess, in either trial or on its line
-    /// there, reaches [`REPLAY_SHARE`] of the step's peak on the lines; the largest first.
-    pub fn heaviest(&self, micro: u64) -> Vec<usize> {
+    /// The operators to replay at `micro`, as (index in the smaller trial, in the larger):
+    /// those of both whose excess, in either trial or on its line there, reaches
+    /// [`REPLAY_SHARE`] of the step's peak on the lines; the largest first. A replay and its
+    /// results go by the larger trial's index.
+    pub fn heaviest(&self, micro: u64) -> Vec<(usize, usize)> {
         let threshold = REPLAY_SHARE * self.peak(micro, None);
-        let mut weighed: Vec<(usize, f64)> = (0..self.small.ops.ops.len())
-            .map(|i| {
+        let mut weighed: Vec<((usize, usize), f64)> = self
+            .pairs
+            .iter()
+            .enumerate()
+            .filter_map(|(j, i)| Some((i.as_ref().copied()?, j)))
+            .map(|(i, j)| {
                 let most = (self.small.ops.ops[i].excess as f64)
-                    .max(self.large.ops.ops[i].excess as f64)
-                    .max(self.excess_line(i, micro));
-                (i, most)
+                    .max(self.large.ops.ops[j].excess as f64)
+                    .max(self.excess_line(j, micro));
+                ((i, j), most)
             })
             .filter(|(_, most)| *most >= threshold && *most > 0.0)
             .collect();
         weighed.sort_by(|a, b| b.1.total_cmp(&a.1));
         weighed.truncate(MAX_REPLAYED);
-        let mut indices: Vec<usize> = weighed.into_iter().map(|(i, _)| i).collect();
-        indices.sort_unstable();
-        indices
+        let mut pairs: Vec<(usize, usize)> = weighed.into_iter().map(|(pair, _)| pair).collect();
+        pairs.sort_unstable();
+        pairs
     }
 
-    /// How many operators the lines have.
+    /// How many operators the lines have (the larger trial's).
     pub fn operators(&self) -> usize {
-        self.small.ops.ops.len()
+        self.large.ops.ops.len()
     }
+}
+
+/// For each of `large`'s operators, the index of the same operator in `small`: a minimal edit
+/// script over their names, whose equal runs pair one for one (the rest ran in one step only).
+fn paired_by_name(small: &[OpCost], large: &[OpCost]) -> Vec<Option<usize>> {
+    fn names(ops: &[OpCost]) -> Vec<&str> {
+        ops.iter().map(|op| op.name.as_str()).collect()
+    }
+    let (small_names, large_names) = (names(small), names(large));
+    if small_names == large_names {
+        return (0..large.len()).map(Some).collect();
+    }
+    let deadline = Instant::now() + ALIGN_DEADLINE;
+    let mut pairs = vec![None; large.len()];
+    let ops =
+        capture_diff_slices_deadline(Algorithm::Myers, &small_names, &large_names, Some(deadline));
+    for op in ops {
+        if let DiffOp::Equal {
+            old_index,
+            new_index,
+            len,
+        } = op
+        {
+            for k in 0..len {
+                pairs[new_index + k] = Some(old_index + k);
+            }
+        }
+    }
+    pairs
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tchmem_wire::op_trace::OpCost;
 
     const MIB: u64 = 1 << 20;
 
@@ -231,14 +279,44 @@ mod tests {
         let points = [trial(8, 1, 8), trial(16, 2, 16)];
         let lines = OpLines::of(&points).unwrap();
         // The add has no excess; the others weigh over 1% of the peak.
-        assert_eq!(lines.heaviest(32), vec![0, 1, 2]);
+        assert_eq!(lines.heaviest(32), vec![(0, 0), (1, 1), (2, 2)]);
+    }
+
+    #[test]
+    fn operators_one_step_ran_alone_are_left_out_of_the_pairs() {
+        // The batch built from one `narrow` per sample: 8 at 8, 16 at 16, before the step.
+        let with_samples = |(batch, mut m): (u64, Measured)| {
+            let ops = &mut m.ops.as_mut().unwrap().ops;
+            let narrow = OpCost {
+                name: "aten::narrow".into(),
+                start: m.begin,
+                excess: 0,
+            };
+            ops.splice(0..0, std::iter::repeat_n(narrow, batch as usize));
+            (batch, m)
+        };
+        let plain = [trial(8, 1, 8), trial(16, 2, 16)];
+        let built = [with_samples(trial(8, 1, 8)), with_samples(trial(16, 2, 16))];
+        let lines = OpLines::of(&built).unwrap();
+        assert_eq!(lines.operators(), 20);
+        // The step's operators pair across the offset, and the peak is the plain step's.
+        assert_eq!(lines.heaviest(32), vec![(8, 16), (9, 17), (10, 18)]);
+        let plain_lines = OpLines::of(&plain).unwrap();
+        assert_eq!(lines.peak(32, None), plain_lines.peak(32, None));
+        // A replay goes by the larger trial's index.
+        let replayed = Replayed {
+            micro: 32,
+            excess: HashMap::from([(18, 36 * MIB)]),
+            ..Replayed::default()
+        };
+        assert_eq!(
+            lines.peak(32, Some(&replayed)),
+            (50 + 96 + 36) as f64 * MIB as f64
+        );
     }
 
     #[test]
     fn trials_whose_operators_differ_give_no_lines() {
-        let mut other = trial(16, 2, 16);
-        other.1.ops.as_mut().unwrap().ops.pop();
-        assert!(OpLines::of(&[trial(8, 1, 8), other]).is_none());
         let mut renamed = trial(16, 2, 16);
         renamed.1.ops.as_mut().unwrap().ops[1].name = "aten::linear".into();
         assert!(OpLines::of(&[trial(8, 1, 8), renamed]).is_none());
