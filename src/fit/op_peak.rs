@@ -4,7 +4,8 @@
 //! A trial records, for each top-level operator of its last step, the bytes allocated when it
 //! began (`start`) and how far above them it went (`excess`: outputs, temporaries, workspace).
 //! The step's peak is the largest `start + excess`. Two trials line up operator by operator (the
-//! same loop runs the same operators), so each `start` is a line in the batch (the tensors
+//! same loop runs the same operators; those only the larger ran, one per sample say, are paired
+//! around by name), so each `start` is a line in the batch (the tensors
 //! alive then grow with it), and so is each `excess`, but for a workspace: cuDNN picks its
 //! algorithm per shape, and the workspace of the one it picks at the target need not lie on the
 //! line through two smaller batches (tch::vision's resnet18 on the H200: 72 and 144 MiB at 64
