@@ -283,7 +283,7 @@ def test_operators_recorded_in_one_cell_replay_in_another(kernel):
     assert reply["status"] == "ok", reply
     reply, messages = execute(
         kc,
-        "let replayed = tchmem::op_trace::replay(small, large, (4, 8), 32, &[conv]);\n"
+        "let replayed = tchmem::op_trace::replay(small, large, (4, 8), 32, &[(conv, conv)]);\n"
         "format!(\"{:?} {:?}\", replayed.0.excess, replayed.0.error)",
     )
     assert reply["status"] == "ok", reply

@@ -478,8 +478,9 @@ void tchmem_ops_take_carried(int64_t* allocated, int64_t* reserved) {
   carried_reserved = 0;
 }
 
-// Runs operators `indices` of `first` (recorded at batch b1; `second`, at b2, tells which
-// dimensions grow with the batch) alone at batch `target`, on the CUDA allocator of
+// Runs operators of `first` (recorded at batch b1; `second`, at b2, tells which dimensions grow
+// with the batch) alone at batch `target`, `count` of them given in `pairs` as (index in
+// `first`, index in `second`), on the CUDA allocator of
 // `device_index` when `with_cuda`; `excess[i]` gets each one's excess, or -1 when it could not
 // run (the estimate then keeps the operator's line). With `log` (an AllocLog, on CUDA), `sizes`
 // gets, for each i, what the operator allocated while it ran. Operators with the same arguments

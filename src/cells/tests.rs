@@ -749,6 +749,12 @@ fn var_stores_are_watched_once_per_process() {
 /// backward whose workspace does on the trials (48 MiB a sample) but not at 64, where the
 /// algorithm cuDNN picks needs 512 MiB. The replay cell answers from `replay`.
 fn recording_gpu(replay: Option<u64>) -> impl FnMut(&str) -> CellOutcome {
+    recording_gpu_with(replay, false)
+}
+
+/// [`recording_gpu`], with the batch built from one `narrow` per 16 samples before the step when
+/// `per_sample` (one at 16, two at 32: the operators' lists differ).
+fn recording_gpu_with(replay: Option<u64>, per_sample: bool) -> impl FnMut(&str) -> CellOutcome {
     use tchmem_wire::op_trace::{OpCost, OpReplay, OpTrace, OP_REPLAY_MIME};
     move |code| {
         if code.contains("tchmem::op_trace::replay(") {
@@ -784,14 +790,17 @@ fn recording_gpu(replay: Option<u64>) -> impl FnMut(&str) -> CellOutcome {
             allocated_after_step: Some(1024 * MIB),
             ops: Some(OpTrace {
                 id: b,
-                ops: vec![
-                    op("aten::linear", 1024 * MIB, 32 * b * MIB),
-                    op(
-                        "aten::convolution_backward",
-                        (1024 + 32 * b) * MIB,
-                        48 * b * MIB,
-                    ),
-                ],
+                ops: (0..if per_sample { b / 16 } else { 0 })
+                    .map(|_| op("aten::narrow", 1024 * MIB, 0))
+                    .chain([
+                        op("aten::linear", 1024 * MIB, 32 * b * MIB),
+                        op(
+                            "aten::convolution_backward",
+                            (1024 + 32 * b) * MIB,
+                            48 * b * MIB,
+                        ),
+                    ])
+                    .collect(),
             }),
             ..Default::default()
         };
@@ -818,6 +827,32 @@ fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
     // 1 GiB + 32 MiB · 64 + the 512 MiB measured, not the trials' line (1 GiB + 80 MiB · 64).
     let text = shown.all();
     let row = activations_row(&text);
+    assert!(
+        row.contains("the 2 heaviest run alone at this batch"),
+        "{row}"
+    );
+    assert!(row.contains(" 3.5 GiB "), "{row}");
+}
+
+#[test]
+fn an_estimate_replays_operators_by_their_index_in_each_trial_where_one_ran_more() {
+    // The trial at 32 ran one narrow more: the linear and the convolution's backward are the
+    // 2nd and 3rd operators at 16, the 3rd and 4th at 32, and the replay's answers go by the
+    // latter, so the estimate is the one of equal lists.
+    let mut cells = cells(FakeRunner::new(recording_gpu_with(Some(512 * MIB), true)));
+    let shown = Shown::default();
+    let outcome = cells.execute(&format!("%memestimate\n{LOOP}"), shown.io());
+    assert_eq!(outcome.error, None, "{}", shown.all());
+    assert!(
+        cells
+            .runner
+            .ran
+            .iter()
+            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(1, 2), (2, 3)])"),
+        "{:?}",
+        cells.runner.ran
+    );
+    let row = activations_row(&shown.all());
     assert!(
         row.contains("the 2 heaviest run alone at this batch"),
         "{row}"

@@ -303,8 +303,8 @@ fn keep_for_study(trial: &Trial, run: &CompareRun) {
         "parameters": m.parameters,
         "step_seconds": run.step_seconds,
         "gpu_busy_seconds": run.gpu_busy_seconds,
-        // Each operator's name and bytes: where two trials' operators differ, the estimate
-        // keeps its lines (see `fit::op_peak::OpLines::of`), and this says why.
+        // Each operator's name and bytes: how two trials' operators pair (see
+        // `fit::op_peak::OpLines::of`), and why where they do not.
         "ops": m.ops.as_ref().map(|ops| &ops.ops),
         "trace": &**trace,
     });

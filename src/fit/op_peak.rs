@@ -18,7 +18,7 @@ use std::time::Instant;
 use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
 use tchmem_wire::op_trace::{OpCost, OpTrace};
 
-use super::reserved::{ALIGN_DEADLINE, MIN_ALIGNED};
+use super::reserved::ALIGN_DEADLINE;
 
 use super::trial::Measured;
 
@@ -26,6 +26,9 @@ use super::trial::Measured;
 pub const REPLAY_SHARE: f64 = 0.01;
 /// At most this many are (the largest first): each runs alone, in a fraction of a millisecond.
 const MAX_REPLAYED: usize = 256;
+/// The share of the smaller trial's operators that must find their twin in the larger's, by
+/// name, for the two to be one loop's steps.
+const MIN_PAIRED: f64 = 0.9;
 
 /// Operators replayed alone at one micro-batch: operator index → excess in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -59,8 +62,9 @@ struct Point<'a> {
 impl<'a> OpLines<'a> {
     /// The last two points that recorded their operators, if those are the same operators in
     /// the same order at two batch sizes, but for some that only the larger ran: at least
-    /// [`super::reserved::MIN_ALIGNED`] of the smaller trial's find their twin by name (a batch
-    /// built from one operator per sample runs more of them at the larger batch, however many).
+    /// [`MIN_PAIRED`] of the smaller trial's find their twin by name, and the larger ran no more
+    /// others than operators in proportion to the batch would add (a batch built from one
+    /// operator per sample runs more of them at the larger batch).
     pub fn of(points: &'a [(u64, Measured)]) -> Option<OpLines<'a>> {
         let recorded: Vec<Point<'a>> = points
             .iter()
@@ -78,19 +82,24 @@ impl<'a> OpLines<'a> {
         };
         let pairs = paired_by_name(&small.ops.ops, &large.ops.ops);
         let lined_up = pairs.iter().flatten().count();
-        let enough = lined_up as f64 >= MIN_ALIGNED * small.ops.ops.len() as f64;
+        let (n1, n2) = (small.ops.ops.len() as f64, large.ops.ops.len() as f64);
+        let extra = n2 - lined_up as f64;
+        let grown = small.batch < large.batch
+            && extra <= n1 * (large.batch as f64 / small.batch as f64 - 1.0);
+        let enough = lined_up as f64 >= MIN_PAIRED * n1 && grown;
         if lined_up < large.ops.ops.len() {
-            // Said where a developer looks: below the share, the estimate keeps its lines.
+            // Said where a developer looks: without enough pairs, the estimate keeps its lines.
+            let first = pairs.iter().position(Option::is_none).unwrap_or_default();
             tracing::debug!(
-                "the trials' operators differ ({} at batch {}, {} at {}): {lined_up} line up{}",
-                small.ops.ops.len(),
+                "the trials' operators differ ({n1} at batch {}, {n2} at {}; the first unpaired \
+                 at #{first}: {}): {lined_up} pair up{}",
                 small.batch,
-                large.ops.ops.len(),
                 large.batch,
+                large.ops.ops[first].name,
                 if enough { "" } else { ", too few: no replay" }
             );
         }
-        (enough && small.batch < large.batch).then_some(OpLines {
+        enough.then_some(OpLines {
             small: *small,
             large: *large,
             pairs,
@@ -110,26 +119,37 @@ impl<'a> OpLines<'a> {
         small + (large - small) * (at as f64 - b1) / (b2 - b1)
     }
 
-    /// `value` of the larger trial's operator `j` at `micro`: on its line through the smaller
-    /// trial's twin, or in proportion to the batch where it has none.
-    fn at(&self, j: usize, micro: u64, value: impl Fn(&Point, usize) -> f64) -> f64 {
-        let large = value(&self.large, j);
-        match self.pairs[j] {
-            Some(i) => self.line(value(&self.small, i), large, micro),
-            None => large * micro as f64 / self.large.batch as f64,
+    /// `value` of the larger trial's operator `j` at `micro`, on its line through the smaller
+    /// trial's twin (`None` where it has none).
+    fn paired(&self, j: usize, micro: u64, value: impl Fn(&Point, usize) -> f64) -> Option<f64> {
+        let i = self.pairs[j]?;
+        Some(self.line(value(&self.small, i), value(&self.large, j), micro))
+    }
+
+    /// Operator `j`'s start above what the notebook held, at `micro`. One only the larger trial
+    /// ran starts where the nearest paired operator before it does at `micro`, plus what came
+    /// between them in the larger trial in proportion to the batch (a start is a level: the
+    /// model's state under it does not grow with the batch).
+    fn start(&self, j: usize, micro: u64) -> f64 {
+        let above = |p: &Point, k: usize| p.ops.ops[k].start.saturating_sub(p.begin) as f64;
+        if let Some(start) = self.paired(j, micro, above) {
+            return start;
+        }
+        match (0..j).rev().find(|&k| self.pairs[k].is_some()) {
+            Some(k) => {
+                let between = above(&self.large, j) - above(&self.large, k);
+                self.paired(k, micro, above).unwrap_or_default()
+                    + between * micro as f64 / self.large.batch as f64
+            }
+            None => above(&self.large, j),
         }
     }
 
-    /// Operator `j`'s start above what the notebook held, at `micro`.
-    fn start(&self, j: usize, micro: u64) -> f64 {
-        self.at(j, micro, |p, k| {
-            p.ops.ops[k].start.saturating_sub(p.begin) as f64
-        })
-    }
-
-    /// Operator `j`'s excess on its line at `micro`.
+    /// Operator `j`'s excess on its line at `micro`; for one only the larger trial ran, its
+    /// excess there (one per sample, each of one sample's size).
     fn excess_line(&self, j: usize, micro: u64) -> f64 {
-        self.at(j, micro, |p, k| p.ops.ops[k].excess as f64)
+        self.paired(j, micro, |p, k| p.ops.ops[k].excess as f64)
+            .unwrap_or(self.large.ops.ops[j].excess as f64)
             .max(0.0)
     }
 
@@ -286,14 +306,17 @@ mod tests {
     #[test]
     fn operators_one_step_ran_alone_are_left_out_of_the_pairs() {
         // The batch built from one `narrow` per sample: 8 at 8, 16 at 16, before the step.
+        // Each narrow starts above the model's 50 MiB and the samples before it (1 MiB each),
+        // and takes one sample's 1 MiB.
         let with_samples = |(batch, mut m): (u64, Measured)| {
+            let begin = m.begin;
             let ops = &mut m.ops.as_mut().unwrap().ops;
-            let narrow = OpCost {
+            let narrows = (0..batch).map(|k| OpCost {
                 name: "aten::narrow".into(),
-                start: m.begin,
-                excess: 0,
-            };
-            ops.splice(0..0, std::iter::repeat_n(narrow, batch as usize));
+                start: begin + 50 * MIB + k * MIB,
+                excess: MIB,
+            });
+            ops.splice(0..0, narrows);
             (batch, m)
         };
         let plain = [trial(8, 1, 8), trial(16, 2, 16)];
@@ -304,6 +327,11 @@ mod tests {
         assert_eq!(lines.heaviest(32), vec![(8, 16), (9, 17), (10, 18)]);
         let plain_lines = OpLines::of(&plain).unwrap();
         assert_eq!(lines.peak(32, None), plain_lines.peak(32, None));
+        // The narrows only the larger ran (its 9th to 16th) start from the 8th's level at 32,
+        // with the samples between in proportion: not the model's 50 MiB doubled.
+        let last = lines.start(15, 32) / MIB as f64;
+        assert_eq!(last, 50.0 + 7.0 + 8.0 * 2.0, "{last}");
+        assert_eq!(lines.excess_line(15, 32), MIB as f64);
         // A replay goes by the larger trial's index.
         let replayed = Replayed {
             micro: 32,
@@ -318,6 +346,23 @@ mod tests {
 
     #[test]
     fn trials_whose_operators_differ_give_no_lines() {
+        // One the larger trial lacks (the smaller's share paired is 3 of 4).
+        let mut other = trial(16, 2, 16);
+        other.1.ops.as_mut().unwrap().ops.pop();
+        assert!(OpLines::of(&[trial(8, 1, 8), other]).is_none());
+        // More unpaired operators than the batch's growth explains.
+        let mut more = trial(16, 2, 16);
+        let extra = more.1.ops.as_ref().unwrap().ops[3].clone();
+        more.1
+            .ops
+            .as_mut()
+            .unwrap()
+            .ops
+            .extend(std::iter::repeat_n(extra, 5).map(|op| OpCost {
+                name: "aten::mul".into(),
+                ..op
+            }));
+        assert!(OpLines::of(&[trial(8, 1, 8), more]).is_none());
         let mut renamed = trial(16, 2, 16);
         renamed.1.ops.as_mut().unwrap().ops[1].name = "aten::linear".into();
         assert!(OpLines::of(&[trial(8, 1, 8), renamed]).is_none());
