@@ -13,12 +13,10 @@
 //! target's shapes (`tchmem::op_trace::replay`), and their excess measured there.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
 use tchmem_wire::op_trace::{OpCost, OpTrace};
-
-use super::reserved::ALIGN_DEADLINE;
 
 use super::trial::Measured;
 
@@ -29,6 +27,8 @@ const MAX_REPLAYED: usize = 256;
 /// The share of the smaller trial's operators that must find their twin in the larger's, by
 /// name, for the two to be one loop's steps.
 const MIN_PAIRED: f64 = 0.9;
+/// Pairing gives up after this (what it paired by then stands).
+const PAIR_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Operators replayed alone at one micro-batch: operator index → excess in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -209,7 +209,7 @@ fn paired_by_name(small: &[OpCost], large: &[OpCost]) -> Vec<Option<usize>> {
     if small_names == large_names {
         return (0..large.len()).map(Some).collect();
     }
-    let deadline = Instant::now() + ALIGN_DEADLINE;
+    let deadline = Instant::now() + PAIR_DEADLINE;
     let mut pairs = vec![None; large.len()];
     let ops =
         capture_diff_slices_deadline(Algorithm::Myers, &small_names, &large_names, Some(deadline));

@@ -37,7 +37,7 @@ const LIFETIME_CAP: u32 = 50;
 /// A request never freed within the trace.
 const NEVER_FREED: u32 = u32::MAX;
 /// Lining up gives up after this (the trials then keep the cache's share).
-pub(super) const ALIGN_DEADLINE: Duration = Duration::from_secs(2);
+const ALIGN_DEADLINE: Duration = Duration::from_secs(2);
 
 /// One trial's requests.
 #[derive(Debug)]
