@@ -6,7 +6,7 @@
 //! measured; [`estimate`] predicts a configuration's peak from exact fixed terms (parameters,
 //! gradients, the optimizer's state by its rule) and a slope calibrated on two small trials,
 //! refined per operator by [`op_peak`] where the trials recorded their operators, and the
-//! reserved bytes by [`reserved`]: the trials' allocator events on their lines, through a
+//! reserved bytes by [`reserved`] (both line the trials up by [`edit_script`]): the trials' allocator events on their lines, through a
 //! model of the allocator ([`allocator`]), and what micro-batches add by [`accumulated`];
 //! [`search`] finds the largest batch that fits by trials; [`candidates`] ranks the rewrites'
 //! combinations for `--fit`; [`diagnosis`] explains an OOM with ranked fixes.
@@ -15,6 +15,7 @@ pub mod accumulated;
 pub mod allocator;
 pub mod candidates;
 pub mod diagnosis;
+pub mod edit_script;
 pub mod estimate;
 pub mod op_peak;
 pub mod reserved;

@@ -13,11 +13,10 @@
 //! target's shapes (`tchmem::op_trace::replay`), and their excess measured there.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
 
-use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
 use tchmem_wire::op_trace::{OpCost, OpTrace};
 
+use super::edit_script::{self, Runs};
 use super::trial::Measured;
 
 /// Operators whose excess reaches this share of the step's peak are replayed at the target.
@@ -27,8 +26,6 @@ const MAX_REPLAYED: usize = 256;
 /// The share of the smaller trial's operators that must find their twin in the larger's, by
 /// name, for the two to be one loop's steps.
 const MIN_PAIRED: f64 = 0.9;
-/// Pairing gives up after this (what it paired by then stands).
-const PAIR_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Operators replayed alone at one micro-batch: operator index → excess in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -199,33 +196,14 @@ impl<'a> OpLines<'a> {
     }
 }
 
-/// For each of `large`'s operators, the index of the same operator in `small`: a minimal edit
-/// script over their names, whose equal runs pair one for one (the rest ran in one step only).
+/// For each of `large`'s operators, the index of the same operator in `small`, by name (equal
+/// runs of the edit script only: the rest ran in one step only). Past the diff's deadline what
+/// it paired by then stands.
 fn paired_by_name(small: &[OpCost], large: &[OpCost]) -> Vec<Option<usize>> {
     fn names(ops: &[OpCost]) -> Vec<&str> {
         ops.iter().map(|op| op.name.as_str()).collect()
     }
-    let (small_names, large_names) = (names(small), names(large));
-    if small_names == large_names {
-        return (0..large.len()).map(Some).collect();
-    }
-    let deadline = Instant::now() + PAIR_DEADLINE;
-    let mut pairs = vec![None; large.len()];
-    let ops =
-        capture_diff_slices_deadline(Algorithm::Myers, &small_names, &large_names, Some(deadline));
-    for op in ops {
-        if let DiffOp::Equal {
-            old_index,
-            new_index,
-            len,
-        } = op
-        {
-            for k in 0..len {
-                pairs[new_index + k] = Some(old_index + k);
-            }
-        }
-    }
-    pairs
+    edit_script::pairs(&names(small), &names(large), Runs::Equal).0
 }
 
 #[cfg(test)]

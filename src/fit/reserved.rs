@@ -14,14 +14,13 @@
 //! the batch.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
 
-use similar::{capture_diff_slices_deadline, Algorithm, DiffOp};
 use tchmem_wire::alloc_trace::{AllocEvent, AllocTrace};
 use tchmem_wire::estimate::ParamShape;
 
 use super::accumulated;
 use super::allocator::{self, SegmentOrder};
+use super::edit_script::{self, Runs};
 use super::op_peak::Replayed;
 use super::trial::Measured;
 
@@ -36,8 +35,6 @@ pub const MODEL_TOLERANCE: f64 = 0.05;
 const LIFETIME_CAP: u32 = 50;
 /// A request never freed within the trace.
 const NEVER_FREED: u32 = u32::MAX;
-/// Lining up gives up after this (the trials then keep the cache's share).
-const ALIGN_DEADLINE: Duration = Duration::from_secs(2);
 
 /// One trial's requests.
 #[derive(Debug)]
@@ -125,7 +122,12 @@ impl<'a> ReservedLines<'a> {
             return None;
         }
         let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
-        let pairs = align(&small.lifetimes, &large.lifetimes)?;
+        // Past the diff's deadline the trials keep the cache's share.
+        let (pairs, finished) =
+            edit_script::pairs(&small.lifetimes, &large.lifetimes, Runs::EqualAndSameLength);
+        if !finished {
+            return None;
+        }
         let mut lines = ReservedLines {
             small,
             large,
@@ -320,43 +322,6 @@ fn matched(lines: &[u64], replayed: &[u64]) -> Vec<u64> {
         .into_iter()
         .map(|size| size.or_else(|| rest.next()).unwrap_or(0))
         .collect()
-}
-
-/// Lines up two request sequences by their lifetimes (a minimal edit script; replaced runs of
-/// equal length pair one for one): for each of `large`'s, the index in `small`. `None` when
-/// the diff ran past its deadline.
-fn align(small: &[u32], large: &[u32]) -> Option<Vec<Option<usize>>> {
-    let deadline = Instant::now() + ALIGN_DEADLINE;
-    let ops = capture_diff_slices_deadline(Algorithm::Myers, small, large, Some(deadline));
-    if Instant::now() > deadline {
-        return None;
-    }
-    let mut pairs = vec![None; large.len()];
-    for op in ops {
-        match op {
-            DiffOp::Equal {
-                old_index,
-                new_index,
-                len,
-            } => {
-                for k in 0..len {
-                    pairs[new_index + k] = Some(old_index + k);
-                }
-            }
-            DiffOp::Replace {
-                old_index,
-                old_len,
-                new_index,
-                new_len,
-            } if old_len == new_len => {
-                for k in 0..new_len {
-                    pairs[new_index + k] = Some(old_index + k);
-                }
-            }
-            _ => {}
-        }
-    }
-    Some(pairs)
 }
 
 #[cfg(test)]
