@@ -808,25 +808,23 @@ fn recording_gpu_with(replay: Option<u64>, per_sample: bool) -> impl FnMut(&str)
     }
 }
 
-#[test]
-fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
-    let mut cells = cells(FakeRunner::new(recording_gpu(Some(512 * MIB))));
+/// Runs `%memestimate` on [`recording_gpu_with`] (the replay measuring a 512 MiB workspace) and
+/// asserts the replay cell it ran (`replay`) and the activations it predicts from the replay.
+fn assert_estimate_replays(per_sample: bool, replay: &str) {
+    let mut cells = cells(FakeRunner::new(recording_gpu_with(
+        Some(512 * MIB),
+        per_sample,
+    )));
     let shown = Shown::default();
     let outcome = cells.execute(&format!("%memestimate\n{LOOP}"), shown.io());
     assert_eq!(outcome.error, None, "{}", shown.all());
-    // Trials at 16 and 32 (recordings 16 and 32), then both operators run alone at 64.
     assert!(
-        cells
-            .runner
-            .ran
-            .iter()
-            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(0, 0), (1, 1)])"),
+        cells.runner.ran.iter().any(|code| code == replay),
         "{:?}",
         cells.runner.ran
     );
     // 1 GiB + 32 MiB · 64 + the 512 MiB measured, not the trials' line (1 GiB + 80 MiB · 64).
-    let text = shown.all();
-    let row = activations_row(&text);
+    let row = activations_row(&shown.all());
     assert!(
         row.contains("the 2 heaviest run alone at this batch"),
         "{row}"
@@ -835,29 +833,23 @@ fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
 }
 
 #[test]
+fn an_estimate_replays_its_heaviest_operators_at_the_batch_it_predicts() {
+    // Trials at 16 and 32 (recordings 16 and 32), then both operators run alone at 64.
+    assert_estimate_replays(
+        false,
+        "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(0, 0), (1, 1)])",
+    );
+}
+
+#[test]
 fn an_estimate_replays_operators_by_their_index_in_each_trial_where_one_ran_more() {
     // The trial at 32 ran one narrow more: the linear and the convolution's backward are the
     // 2nd and 3rd operators at 16, the 3rd and 4th at 32, and the replay's answers go by the
     // latter, so the estimate is the one of equal lists.
-    let mut cells = cells(FakeRunner::new(recording_gpu_with(Some(512 * MIB), true)));
-    let shown = Shown::default();
-    let outcome = cells.execute(&format!("%memestimate\n{LOOP}"), shown.io());
-    assert_eq!(outcome.error, None, "{}", shown.all());
-    assert!(
-        cells
-            .runner
-            .ran
-            .iter()
-            .any(|code| code == "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(1, 2), (2, 3)])"),
-        "{:?}",
-        cells.runner.ran
+    assert_estimate_replays(
+        true,
+        "tchmem::op_trace::replay(16, 32, (16, 32), 64, &[(1, 2), (2, 3)])",
     );
-    let row = activations_row(&shown.all());
-    assert!(
-        row.contains("the 2 heaviest run alone at this batch"),
-        "{row}"
-    );
-    assert!(row.contains(" 3.5 GiB "), "{row}");
 }
 
 /// The activations' row of an estimate's table.

@@ -1486,7 +1486,7 @@ pub(crate) mod tests {
         let prediction = calibration.predict(&scenario).unwrap();
         assert_eq!(prediction.cache_source, CacheSource::RulesSegmentOrder);
         let (low, high) = prediction.reserved_spread.unwrap();
-        let balanced = 2.0 * low as f64 * high as f64 / (low + high) as f64;
+        let balanced = super::between(low as f64, high as f64);
         assert!(
             (prediction.peak_reserved as f64 - balanced).abs() <= 1.0,
             "the point is off by the same fraction from either end, not the order the trial at 64 took: \
