@@ -14,23 +14,26 @@ ESTIMATE = "application/vnd.tchmem.estimate+json"
 
 
 def checks(notebook):
-    """(magic line, estimate JSON) of each checked estimate in `notebook`."""
+    """(magic line, estimate JSON, the cell's text output) of each checked estimate in
+    `notebook`."""
     for cell in json.load(open(notebook))["cells"]:
         source = "".join(cell["source"]).splitlines()
         if not source or not source[0].startswith("%memestimate"):
             continue
-        for output in cell.get("outputs", []):
+        outputs = cell.get("outputs", [])
+        text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in outputs)
+        for output in outputs:
             e = output.get("data", {}).get(ESTIMATE)
             # A check whose trial failed or ran out of memory measured nothing.
             if e and e.get("measured_peak_allocated") is not None:
-                yield source[0], e
+                yield source[0], e, text
 
 
 def main(folders):
     notebooks = sorted(sum((glob.glob(f"{d}/**/*.ipynb", recursive=True) for d in folders), []))
     for notebook in notebooks:
         family = notebook.split("/")[-1].split(".")[0]
-        for line, e in checks(notebook):
+        for line, e, _ in checks(notebook):
             allocated = 100 * (e["peak_allocated"] / e["measured_peak_allocated"] - 1)
             reserved = 100 * (e["peak_reserved"] / e["measured_peak_reserved"] - 1)
             low, high = e.get("peak_reserved_low"), e.get("peak_reserved_high")

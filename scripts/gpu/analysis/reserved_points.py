@@ -15,10 +15,10 @@ run1 and run2), the balanced middle from 385e8d4 (its run3 and run4). The column
 only whether the point was an end or inside the range.
 """
 import glob
-import json
 import sys
 
-ESTIMATE = "application/vnd.tchmem.estimate+json"
+from estimate_checks import checks  # this folder's: the checks of a notebook
+
 # The verdict's reason for the range (src/report/fit.rs, `why_reserved`), for runs whose JSON
 # did not name it yet.
 WHY = {
@@ -38,23 +38,12 @@ def why(text):
 def ranged_checks(notebook):
     """(magic line, why, low, point, high, measured) for each ranged check of `notebook` whose
     check trial ran (a check that failed or ran out of memory measured nothing)."""
-    for cell in json.load(open(notebook))["cells"]:
-        source = "".join(cell["source"])
-        if not source.startswith("%memestimate"):
+    for line, e, text in checks(notebook):
+        low, high = e.get("peak_reserved_low"), e.get("peak_reserved_high")
+        if e.get("measured_peak_reserved") is None or low is None or high is None or high <= low:
             continue
-        text = "".join(
-            "".join(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", [])
-        )
-        for output in cell.get("outputs", []):
-            e = output.get("data", {}).get(ESTIMATE)
-            if not e or e.get("measured_peak_reserved") is None:
-                continue
-            low, high = e.get("peak_reserved_low"), e.get("peak_reserved_high")
-            if low is None or high is None or high <= low:
-                continue
-            reason = WHY_NAMES.get(e.get("peak_reserved_why"), why(text))
-            yield (source.splitlines()[0], reason, low, e["peak_reserved"], high,
-                   e["measured_peak_reserved"])
+        reason = WHY_NAMES.get(e.get("peak_reserved_why"), why(text))
+        yield line, reason, low, e["peak_reserved"], high, e["measured_peak_reserved"]
 
 
 def error(predicted, measured):
