@@ -656,19 +656,21 @@ impl Calibration {
                 // as the point was within 10% in 25 of the 30, this point in 30, and in 12 of 12
                 // in the next round (`scripts/gpu/analysis/reserved_points.py`,
                 // `results/gpu/2026-12-06-reserved-middle/`).
-                let point = match (missed, other_order) {
-                    (None, Some(_)) => between(low, high),
-                    _ => reserved.max(floor),
+                let source = match (missed, other_order) {
+                    (Some(_), _) => CacheSource::RulesMissedTrial,
+                    (None, Some(_)) => CacheSource::RulesSegmentOrder,
+                    (None, None) => CacheSource::Rules,
+                };
+                let point = if source == CacheSource::RulesSegmentOrder {
+                    between(low, high)
+                } else {
+                    reserved.max(floor)
                 };
                 Cache {
                     point: point - floor,
                     low: low - floor,
                     high: high - floor,
-                    source: match (missed, other_order) {
-                        (Some(_), _) => CacheSource::RulesMissedTrial,
-                        (None, Some(_)) => CacheSource::RulesSegmentOrder,
-                        (None, None) => CacheSource::Rules,
-                    },
+                    source,
                 }
             });
         let mut cache = simulated.unwrap_or_else(|| self.cache(loop_peak));
