@@ -37,6 +37,9 @@ pub struct EngineConfig {
     pub libtorch_problem: Option<String>,
     /// The `tchmem-runtime` crate, added to every cell's dependencies.
     pub runtime_crate: PathBuf,
+    /// Why the runtime crate is missing, for the user (cells then run plain Rust, as without
+    /// libtorch).
+    pub runtime_problem: Option<String>,
     /// Where evcxr compiles cells (see [`super::workdir`]).
     pub workdir: PathBuf,
     /// Load the code analysis at the engine's first idle moment (a kernel, whose users ask for
@@ -57,10 +60,12 @@ impl EngineConfig {
             Ok(found) => (Some(found), None),
             Err(error) => (None, Some(format!("{error:#}"))),
         };
+        let runtime_crate = runtime_crate_dir();
         EngineConfig {
             libtorch,
             libtorch_problem,
-            runtime_crate: runtime_crate_dir(),
+            runtime_problem: missing_runtime(&runtime_crate),
+            runtime_crate,
             workdir,
             warm_up_analysis: false,
             analysis_std: None,
@@ -151,6 +156,9 @@ impl EngineConfig {
     /// follow find nothing to resolve (see `Session::run_prelude`).
     pub fn prelude(&self) -> Option<String> {
         self.libtorch.as_ref()?;
+        if self.runtime_problem.is_some() {
+            return None;
+        }
         Some(format!(
             ":dep tch = \"={TCH_VERSION}\"\n:dep anyhow = \"{ANYHOW_VERSION}\"\n\
              :dep tchmem-show = {{ path = \"{}\" }}\n:dep tchmem-runtime = {{ path = \"{}\" }}\n\
@@ -191,6 +199,21 @@ fn runtime_crate_dir() -> PathBuf {
         dir.join("Cargo.toml").is_file().then_some(dir)
     });
     bundled.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
+}
+
+/// What to tell the user where `dir` holds no runtime crate: a binary built in a checkout that
+/// has since moved or gone looks for it there (its path is compiled in), and evcxr's own error
+/// names a `Cargo.toml` of another crate, then every cell says that `tch` is not found.
+fn missing_runtime(dir: &Path) -> Option<String> {
+    if dir.join("Cargo.toml").is_file() {
+        return None;
+    }
+    Some(format!(
+        "tchmem's runtime crate is not at {} (the sources this tchmem was built from have moved \
+         or gone): build tchmem again where its sources are now (scripts/setup), or set \
+         TCHMEM_RUNTIME_DIR to a copy of its runtime/ folder, then restart the kernel",
+        dir.display()
+    ))
 }
 
 /// kineto's switch that detaches CUPTI once a profile has stopped.

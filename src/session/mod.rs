@@ -120,7 +120,10 @@ impl Session {
                 return session;
             }
         }
-        if let Some(problem) = &config.libtorch_problem {
+        for problem in [&config.libtorch_problem, &config.runtime_problem]
+            .into_iter()
+            .flatten()
+        {
             session
                 .notices
                 .push(format!("tch is not available in this kernel: {problem}"));
@@ -141,11 +144,15 @@ impl Session {
                 session.check_dependencies(&config.workdir, &prelude);
             }
             if let Some(error) = outcome.error {
-                session.notices.push(format!(
-                    "tch could not be added to this kernel: {}\n{}",
-                    error.evalue,
+                // The traceback, where there is one, already begins with the error's value.
+                let why = if error.traceback.is_empty() {
+                    error.evalue
+                } else {
                     error.traceback.join("\n")
-                ));
+                };
+                session
+                    .notices
+                    .push(format!("tch could not be added to this kernel:\n{why}"));
             }
         }
         tracing::info!("engine ready in {:.1} s", started.elapsed().as_secs_f64());
