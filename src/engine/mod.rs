@@ -58,9 +58,13 @@ impl Engine {
         let startup = Arc::new(Startup::begin(config.workdir.clone()));
         let warm_up = config.warm_up_analysis;
         let thread_startup = Arc::clone(&startup);
+        // Remembered per prelude, in a file every kernel of the machine shares: a kernel without
+        // tch (no libtorch, no runtime crate) keeps its own in memory, or it would replace the
+        // tch paths the next kernel's first Tab answers from.
+        let prelude = config.prelude();
         let paths = Arc::new(PathCompletions::load(
-            config.workdir.parent(),
-            &config.prelude().unwrap_or_default(),
+            prelude.as_ref().and(config.workdir.parent()),
+            &prelude.unwrap_or_default(),
         ));
         let thread_paths = Arc::clone(&paths);
         let idle = Arc::new(AtomicBool::new(false));

@@ -60,11 +60,11 @@ impl EngineConfig {
             Ok(found) => (Some(found), None),
             Err(error) => (None, Some(format!("{error:#}"))),
         };
-        let runtime_crate = runtime_crate_dir();
+        let (runtime_crate, runtime_problem) = find_runtime_crate();
         EngineConfig {
             libtorch,
             libtorch_problem,
-            runtime_problem: missing_runtime(&runtime_crate),
+            runtime_problem,
             runtime_crate,
             workdir,
             warm_up_analysis: false,
@@ -182,38 +182,62 @@ impl EngineConfig {
     }
 }
 
-/// `$TCHMEM_RUNTIME_DIR`; else `share/tchmem/runtime` beside the binary's `bin/` (an offline
-/// bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's sources.
-/// Its sibling crates `wire/` and `show/` sit beside it in each of these.
-fn runtime_crate_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("TCHMEM_RUNTIME_DIR") {
-        return PathBuf::from(dir);
+/// `$TCHMEM_RUNTIME_DIR` (unless empty); else `share/tchmem/runtime` beside the binary's `bin/`
+/// (an offline bundle, see scripts/offline-pack); else the `runtime/` crate beside this binary's
+/// sources. Its sibling crates `wire/` and `show/` sit beside it in each of these. Also says why
+/// it will not build, where it will not.
+fn find_runtime_crate() -> (PathBuf, Option<String>) {
+    if let Some(dir) = std::env::var_os(RUNTIME_DIR_ENV).filter(|dir| !dir.is_empty()) {
+        let dir = std::path::absolute(&dir).unwrap_or_else(|_| PathBuf::from(dir));
+        let problem = (!is_runtime_crate(&dir)).then(|| {
+            format!(
+                "{RUNTIME_DIR_ENV} is {}, which holds no tchmem runtime crate: point it at a \
+                 runtime/ folder with show/ and wire/ beside it (a checkout's, or an offline \
+                 bundle's share/tchmem/runtime), or unset it, in the environment the kernel \
+                 starts in (its kernel.json's \"env\"), then restart the kernel",
+                dir.display()
+            )
+        });
+        return (dir, problem);
     }
-    let bundled = std::env::current_exe().ok().and_then(|exe| {
-        let dir = exe
-            .canonicalize()
-            .ok()?
-            .parent()?
-            .parent()?
-            .join("share/tchmem/runtime");
-        dir.join("Cargo.toml").is_file().then_some(dir)
+    let bundled = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.canonicalize().ok()?.parent()?.parent()?.join(BUNDLED)));
+    if let Some(dir) = bundled.as_ref().filter(|dir| is_runtime_crate(dir)) {
+        return (dir.clone(), None);
+    }
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime");
+    // A binary built in a checkout that has since moved or gone looks there (the path is
+    // compiled in); without this, evcxr's error names another crate's Cargo.toml, then every
+    // cell says that `tch` is not found.
+    let problem = (!is_runtime_crate(&checkout)).then(|| {
+        let beside = bundled.map_or(String::new(), |dir| format!("{} or ", dir.display()));
+        format!(
+            "tchmem's runtime crate is in neither place this tchmem looks for it: {beside}the \
+             checkout it was built in ({}), which has moved or gone. Build tchmem again where its \
+             sources are now (scripts/setup), or set {RUNTIME_DIR_ENV} to a runtime/ folder with \
+             show/ and wire/ beside it in the environment the kernel starts in (its kernel.json's \
+             \"env\"), then restart the kernel",
+            checkout.display()
+        )
     });
-    bundled.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime"))
+    (checkout, problem)
 }
 
-/// What to tell the user where `dir` holds no runtime crate: a binary built in a checkout that
-/// has since moved or gone looks for it there (its path is compiled in), and evcxr's own error
-/// names a `Cargo.toml` of another crate, then every cell says that `tch` is not found.
-fn missing_runtime(dir: &Path) -> Option<String> {
-    if dir.join("Cargo.toml").is_file() {
-        return None;
-    }
-    Some(format!(
-        "tchmem's runtime crate is not at {} (the sources this tchmem was built from have moved \
-         or gone): build tchmem again where its sources are now (scripts/setup), or set \
-         TCHMEM_RUNTIME_DIR to a copy of its runtime/ folder, then restart the kernel",
-        dir.display()
-    ))
+/// The variable that names the runtime crate's folder.
+const RUNTIME_DIR_ENV: &str = "TCHMEM_RUNTIME_DIR";
+
+/// Where an offline bundle keeps the runtime crate, from the binary's `bin/`'s parent.
+const BUNDLED: &str = "share/tchmem/runtime";
+
+/// Whether `dir` is a runtime crate that builds: its sibling crates, which its manifest names
+/// by relative path, beside it.
+fn is_runtime_crate(dir: &Path) -> bool {
+    let parent = dir.parent().unwrap_or(dir);
+    dir.join("Cargo.toml").is_file()
+        && ["show", "wire"]
+            .iter()
+            .all(|sibling| parent.join(sibling).join("Cargo.toml").is_file())
 }
 
 /// kineto's switch that detaches CUPTI once a profile has stopped.
@@ -288,5 +312,31 @@ fn add_cargo_to_path() {
         if let Ok(joined) = std::env::join_paths(dirs) {
             std::env::set_var("PATH", joined);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runtime_crate_builds_only_with_show_and_wire_beside_it() {
+        let root = std::env::temp_dir().join(format!("tchmem-runtime-{}", std::process::id()));
+        let crate_at = |name: &str| {
+            std::fs::create_dir_all(root.join(name)).unwrap();
+            std::fs::write(root.join(name).join("Cargo.toml"), "[package]").unwrap();
+        };
+        let runtime = root.join("runtime");
+        assert!(!is_runtime_crate(&runtime), "no folder at all");
+        crate_at("runtime");
+        assert!(!is_runtime_crate(&runtime), "runtime/ copied alone");
+        crate_at("show");
+        crate_at("wire");
+        assert!(is_runtime_crate(&runtime));
+        // This checkout's own, which a test binary finds.
+        assert!(is_runtime_crate(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime")
+        ));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
