@@ -45,6 +45,7 @@ fn main() {
         .file("csrc/step_in_backward.cpp")
         .file("csrc/op_trace.cpp")
         .file("csrc/busy_time.cpp")
+        .file("csrc/cudnn.cpp")
         .compile("tchmem_shim");
 
     // The process group (csrc/dist.cpp): libtorch's ProcessGroupGloo, whose header includes

@@ -12,6 +12,7 @@ mod categories;
 pub mod checkpoint;
 pub mod compare;
 pub mod cuda_stats;
+pub mod cudnn;
 pub mod display;
 pub mod dist;
 pub mod error;

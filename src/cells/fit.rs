@@ -148,7 +148,7 @@ impl<R: Runner> Cells<R> {
             .map(|(b, m)| Trial {
                 options: calibrated.clone(),
                 batch: *b,
-                outcome: Outcome::Ran(m.clone()),
+                outcome: Outcome::Ran(Box::new(m.clone())),
             })
             .collect();
         let check = if request.check {

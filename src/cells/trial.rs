@@ -196,7 +196,7 @@ impl<R: Runner> Cells<R> {
             )),
             None => run.as_ref().and_then(Measured::of).map_or_else(
                 || Outcome::Failed("no training step was recorded".into()),
-                Outcome::Ran,
+                |measured| Outcome::Ran(Box::new(measured)),
             ),
         };
         let trial = Trial {
@@ -240,7 +240,7 @@ impl<R: Runner> Cells<R> {
                 &format!("calibration: {}", verdict_of(&trial.outcome)),
             );
             match trial.outcome {
-                Outcome::Ran(measured) => points.push((b, measured)),
+                Outcome::Ran(measured) => points.push((b, *measured)),
                 // Not even the smaller point fits: a quarter of it (far too large a batch is
                 // what an OOM diagnosis starts from).
                 Outcome::OutOfMemory if points.is_empty() && b > 1 => {

@@ -825,6 +825,7 @@ pub(crate) mod tests {
             parameters: shapes(),
             ops: None,
             allocations: None,
+            algorithm_search: None,
         }
     }
 

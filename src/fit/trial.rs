@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tchmem_wire::alloc_trace::AllocTrace;
-use tchmem_wire::compare::CompareRun;
+use tchmem_wire::compare::{AlgorithmSearch, CompareRun};
 use tchmem_wire::estimate::ParamShape;
 use tchmem_wire::op_trace::OpTrace;
 
@@ -47,6 +47,9 @@ pub struct Measured {
     /// when it recorded its operators (CUDA). Shared: calibrations copy their points, and a
     /// trace holds thousands of events.
     pub allocations: Option<Arc<AllocTrace>>,
+    /// Under cuDNN's benchmark mode, the trial's first step, where cuDNN timed its algorithms;
+    /// the counts above are the steps after it (see [`AlgorithmSearch`]).
+    pub algorithm_search: Option<AlgorithmSearch>,
 }
 
 impl Measured {
@@ -68,6 +71,7 @@ impl Measured {
             parameters: run.parameters.clone(),
             ops: run.ops.clone(),
             allocations: run.allocations.clone().map(Arc::new),
+            algorithm_search: run.algorithm_search,
         })
     }
 }
@@ -75,8 +79,8 @@ impl Measured {
 /// How a trial ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// It ran its steps.
-    Ran(Measured),
+    /// It ran its steps (boxed: the measurements are far larger than the other variants).
+    Ran(Box<Measured>),
     /// The allocator ran out of memory (its OOM counter or observer said so).
     OutOfMemory,
     /// Anything else: the error's name and first line.
@@ -87,7 +91,7 @@ impl Outcome {
     /// The measurements, if it ran.
     pub fn measured(&self) -> Option<&Measured> {
         match self {
-            Outcome::Ran(measured) => Some(measured),
+            Outcome::Ran(measured) => Some(measured.as_ref()),
             _ => None,
         }
     }

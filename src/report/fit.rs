@@ -2,6 +2,7 @@
 //! table of trials, and `--fit`'s ranking.
 
 use serde_json::{json, Map, Value};
+use tchmem_wire::compare::AlgorithmSearch;
 use tchmem_wire::memory::{Category, CategoryName};
 use tchmem_wire::mime::{ESTIMATE_MIME, TRIALS_MIME};
 use tchmem_wire::Display;
@@ -246,7 +247,12 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     };
     let step_time = &view.prediction.step_time;
     let spread = view.prediction.reserved_spread;
-    let step = prediction_lines(view.prediction);
+    let search = largest_algorithm_search(view.trials);
+    let step = format!(
+        "{}{}",
+        prediction_lines(view.prediction),
+        search.map_or(String::new(), algorithm_search_line)
+    );
     let measured = view.check.and_then(|t| t.outcome.measured());
     let check = check_line(view, measured);
     let mut data = Map::new();
@@ -286,6 +292,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "peak_reserved_low": spread.map(|(low, _)| low),
             "peak_reserved_high": spread.map(|(_, high)| high),
             "peak_reserved_why": spread.map(|_| range_reason(view.prediction.cache_source)),
+            "algorithm_search_peak_reserved": search.map(|(_, s)| s.peak_reserved),
             "context": view.context,
             "capacity": view.capacity,
             "fits": total <= view.capacity,
@@ -380,6 +387,28 @@ fn prediction_lines(prediction: &Prediction) -> String {
         "predicted step time {predicted_step} (micro-batch {}){why_range}{}{reserved_range}",
         prediction.micro_batch,
         gpu_work_line(prediction)
+    )
+}
+
+/// The calibration trial whose first step reserved the most while cuDNN timed its algorithms
+/// (benchmark mode), with its batch; `None` where none did.
+fn largest_algorithm_search(trials: &[Trial]) -> Option<(u64, AlgorithmSearch)> {
+    trials
+        .iter()
+        .filter_map(|t| Some((t.batch, t.outcome.measured()?.algorithm_search?)))
+        .max_by_key(|(_, search)| search.peak_reserved)
+}
+
+/// Under cuDNN's benchmark mode: what the first step at a new shape takes beside the estimate,
+/// and why it is not in it.
+fn algorithm_search_line((batch, search): (u64, AlgorithmSearch)) -> String {
+    format!(
+        "\ncuDNN's benchmark mode is on: the first step at each new shape also times cuDNN's \
+         algorithms, each with a workspace as large as free memory allows (up to {} reserved in \
+         the calibration trial at {batch}). cuDNN takes less where less is free, so the figures \
+         above are for the steps after it, which keep the algorithms it chose; a check measures \
+         those steps too.",
+        human_bytes(search.peak_reserved)
     )
 }
 
@@ -941,7 +970,7 @@ mod tests {
         let trial = Trial {
             options: Default::default(),
             batch: 16,
-            outcome: Outcome::Ran(measured.clone()),
+            outcome: Outcome::Ran(Box::new(measured.clone())),
         };
         let display = estimate_display(&EstimateView {
             what: "batch 64".into(),
@@ -969,6 +998,41 @@ mod tests {
             Value::Null
         );
         assert_eq!(verdict(3, 2).split(':').next(), Some("does not fit"));
+        assert!(!text.contains("benchmark mode"), "{text}");
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["algorithm_search_peak_reserved"],
+            Value::Null
+        );
+
+        // Trials under cuDNN's benchmark mode: the first step's search is told apart.
+        let searched = Trial {
+            outcome: Outcome::Ran(Box::new(Measured {
+                algorithm_search: Some(AlgorithmSearch {
+                    peak_allocated: 3 << 30,
+                    peak_reserved: 7 << 29,
+                }),
+                ..measured.clone()
+            })),
+            ..trial.clone()
+        };
+        let display = estimate_display(&EstimateView {
+            what: "batch 64".into(),
+            prediction: &prediction,
+            context: 500 << 20,
+            capacity: 1 << 30,
+            trials: std::slice::from_ref(&searched),
+            check: None,
+        });
+        let text = display.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("benchmark mode is on")
+                && text.contains("(up to 3.5 GiB reserved in the calibration trial at 16)"),
+            "{text}"
+        );
+        assert_eq!(
+            display.data[ESTIMATE_MIME]["algorithm_search_peak_reserved"],
+            json!(7u64 << 29)
+        );
 
         // Trials whose caches disagree: peak reserved is told as a range, and checked against it.
         let spread = Prediction {
@@ -1117,11 +1181,11 @@ mod tests {
 
         // The GPU's work: in a profiled trial's row, and said where it is the point.
         let profiled = Trial {
-            outcome: Outcome::Ran(Measured {
+            outcome: Outcome::Ran(Box::new(Measured {
                 step_seconds: 0.038,
                 gpu_busy_seconds: Some(0.018),
                 ..measured.clone()
-            }),
+            })),
             ..trial.clone()
         };
         assert_eq!(trial_row(1, &profiled, "fits")[5], "38.0 ms (GPU 18.0)");
