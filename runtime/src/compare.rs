@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use tch::Tensor;
-use tchmem_wire::compare::{AlgorithmSearch, CompareRun, PhasePeaks, COMPARE_RUN_MIME};
+use tchmem_wire::compare::{CompareRun, PhasePeaks, COMPARE_RUN_MIME};
 
 use crate::busy_time::{self, Activity};
 use crate::cuda_stats::{self, DEVICE};
@@ -133,6 +133,7 @@ fn start(steps: usize, record_ops: bool) {
         run: CompareRun {
             steps_wanted: steps,
             allocated_at_begin,
+            cudnn_benchmark: allocated_at_begin.is_some() && crate::cudnn::benchmark(),
             ..Default::default()
         },
         last: Instant::now(),
@@ -272,10 +273,6 @@ pub fn record_step(loss: &Tensor) -> bool {
     }
     // After every step, so that a loop with fewer steps than asked still has its numbers.
     measure(state);
-    let first_of_several = state.run.losses.len() == 1 && state.run.steps_wanted > 1;
-    if first_of_several && state.peaks.is_some() && crate::cudnn::benchmark() {
-        restart_after_algorithm_search(state);
-    }
     // Measuring is not part of the next step's time.
     state.last = Instant::now();
     if done && state.record_ops {
@@ -284,36 +281,6 @@ pub fn record_step(loss: &Tensor) -> bool {
         return !state.recording;
     }
     done
-}
-
-/// Under cuDNN's benchmark mode, after the run's first step: cuDNN timed its algorithms at the
-/// run's shapes there, each with a workspace as large as free memory allowed, and chose one per
-/// shape, which later steps keep. Those workspaces follow what is free, not the batch: on an H100
-/// under a 1.4 GiB limit, `%memfit`'s resnet18 trials reserved 1.3-1.4 GiB at every new batch
-/// from 260 to 512 and 890 MiB at 256, whose shapes the notebook had run before
-/// (`results/gpu/2026-12-06-pairing-benchmark/`): it read them all as over its margin, and an
-/// estimate's line through two trials said 7.7 GiB. A run of more than one step keeps that
-/// step's peaks apart, and its peaks, phase peaks and allocator events start again from an
-/// emptied cache: the steps after it.
-fn restart_after_algorithm_search(state: &mut State) {
-    state.run.algorithm_search = Some(AlgorithmSearch {
-        peak_allocated: state.run.peak_allocated.unwrap_or(0),
-        peak_reserved: state.run.peak_reserved.unwrap_or(0),
-    });
-    let logging = state.alloc_segments.take().map(alloc_trace::stop).is_some();
-    synchronize();
-    let _ = cuda_stats::empty_cache();
-    let _ = cuda_stats::reset_peak_stats(DEVICE);
-    if let Some(peaks) = state.peaks.as_mut() {
-        peaks.allocated = 0;
-        peaks.reserved = 0;
-        peaks.part_carried = 0;
-    }
-    state.run.phase_peaks = None;
-    if logging {
-        state.alloc_segments = alloc_trace::start();
-    }
-    measure(state);
 }
 
 /// The allocator's peaks since the run began and what a step leaves allocated, as of now.

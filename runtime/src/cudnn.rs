@@ -1,4 +1,4 @@
-//! cuDNN's settings as a run needs them.
+//! cuDNN's settings as a run reports them.
 
 extern "C" {
     fn tchmem_cudnn_benchmark() -> std::ffi::c_int;
@@ -6,7 +6,7 @@ extern "C" {
 
 /// Whether cuDNN's benchmark mode is on (`tch::Cuda::cudnn_set_benchmark(true)`; tch's default
 /// is off): the first step at each new shape then times cuDNN's algorithms, each with a
-/// workspace of its own, as large as free memory allows.
+/// workspace of its own (those that need more than it can get are skipped).
 pub fn benchmark() -> bool {
     // SAFETY: reads a flag of libtorch's global context; no arguments, nothing to free.
     unsafe { tchmem_cudnn_benchmark() != 0 }

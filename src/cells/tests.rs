@@ -307,6 +307,67 @@ fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
     assert_eq!(trials, [8, 8, 8, 8]);
 }
 
+#[test]
+fn under_cudnns_benchmark_mode_a_trial_runs_again_on_the_chosen_algorithms() {
+    // The first run at a shape times cuDNN's algorithms (a large peak); cuDNN keeps its choice,
+    // so the second run at that shape does not.
+    let runs = Arc::new(Mutex::new(0));
+    let counted = Arc::clone(&runs);
+    let mut benchmarked = cells(FakeRunner::new(move |code| {
+        let outcome = gpu().answer(code);
+        if !code.contains("tchmem::compare::begin") {
+            return outcome;
+        }
+        let mut n = counted.lock().unwrap();
+        *n += 1;
+        let searching = *n == 1;
+        with_run(outcome, |run| {
+            run.cudnn_benchmark = true;
+            if searching {
+                run.peak_reserved = Some(3 << 30);
+            }
+        })
+    }));
+    let cell = benchmarked
+        .training_cell(
+            &magics::CellMagicSource {
+                line: "%memfit",
+                body: LOOP,
+                body_offset: 1,
+            },
+            "%memfit",
+        )
+        .unwrap();
+    let trial = benchmarked
+        .trial(&cell, &rewrite::Options::default(), 8, 3)
+        .ok()
+        .unwrap();
+    assert_eq!(*runs.lock().unwrap(), 2, "the trial ran twice");
+    let measured = trial.outcome.measured().unwrap();
+    let steady = gpu().peak("let batch_size: i64 = 8;");
+    assert_eq!(measured.peak_reserved, steady, "the second run's peak");
+    let search = measured.algorithm_search.unwrap();
+    assert_eq!(search.peak_reserved, 3 << 30, "the first run's, kept apart");
+    // Without the mode a trial runs once (the other tests' fake never sets it).
+    let mut plain = cells(FakeRunner::on(gpu()));
+    let cell = plain
+        .training_cell(
+            &magics::CellMagicSource {
+                line: "%memfit",
+                body: LOOP,
+                body_offset: 1,
+            },
+            "%memfit",
+        )
+        .unwrap();
+    let trial = plain
+        .trial(&cell, &rewrite::Options::default(), 8, 3)
+        .ok()
+        .unwrap();
+    assert_eq!(plain.runner.trials().len(), 1);
+    assert_eq!(trial.outcome.measured().unwrap().algorithm_search, None);
+}
+
 /// The exploratory pattern: the batch and the model in earlier cells, the loop alone.
 const SPLIT_CELLS: [&str; 2] = [
     "const BATCH_SIZE: i64 = 64;",

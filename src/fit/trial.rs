@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tchmem_wire::alloc_trace::AllocTrace;
-use tchmem_wire::compare::{AlgorithmSearch, CompareRun};
+use tchmem_wire::compare::CompareRun;
 use tchmem_wire::estimate::ParamShape;
 use tchmem_wire::op_trace::OpTrace;
 
@@ -47,9 +47,19 @@ pub struct Measured {
     /// when it recorded its operators (CUDA). Shared: calibrations copy their points, and a
     /// trace holds thousands of events.
     pub allocations: Option<Arc<AllocTrace>>,
-    /// Under cuDNN's benchmark mode, the trial's first step, where cuDNN timed its algorithms;
-    /// the counts above are the steps after it (see [`AlgorithmSearch`]).
+    /// Under cuDNN's benchmark mode, the peaks of a first run at the trial's batch, whose first
+    /// steps timed cuDNN's algorithms; the counts above are from a run right after it, on the
+    /// algorithms cuDNN chose (see `cells::trial`).
     pub algorithm_search: Option<AlgorithmSearch>,
+}
+
+/// The allocator's peaks over a run in which cuDNN timed its algorithms (benchmark mode).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AlgorithmSearch {
+    /// Peak allocated bytes of that run.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes of that run.
+    pub peak_reserved: u64,
 }
 
 impl Measured {
@@ -71,7 +81,7 @@ impl Measured {
             parameters: run.parameters.clone(),
             ops: run.ops.clone(),
             allocations: run.allocations.clone().map(Arc::new),
-            algorithm_search: run.algorithm_search,
+            algorithm_search: None,
         })
     }
 }

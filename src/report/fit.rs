@@ -2,7 +2,6 @@
 //! table of trials, and `--fit`'s ranking.
 
 use serde_json::{json, Map, Value};
-use tchmem_wire::compare::AlgorithmSearch;
 use tchmem_wire::memory::{Category, CategoryName};
 use tchmem_wire::mime::{ESTIMATE_MIME, TRIALS_MIME};
 use tchmem_wire::Display;
@@ -13,7 +12,7 @@ use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
 use crate::fit::estimate::Fixed;
 use crate::fit::estimate::{CacheSource, Prediction, StepTime};
-use crate::fit::trial::{Measured, Outcome, Trial};
+use crate::fit::trial::{AlgorithmSearch, Measured, Outcome, Trial};
 use crate::rewrite::Options;
 
 /// A table: header and rows of cells, as HTML and as aligned text.
@@ -292,7 +291,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
             "peak_reserved_low": spread.map(|(low, _)| low),
             "peak_reserved_high": spread.map(|(_, high)| high),
             "peak_reserved_why": spread.map(|_| range_reason(view.prediction.cache_source)),
-            "algorithm_search_peak_reserved": search.map(|(_, s)| s.peak_reserved),
+            "algorithm_search_peak_reserved": search.map(|(_, s, _)| s.peak_reserved),
             "context": view.context,
             "capacity": view.capacity,
             "fits": total <= view.capacity,
@@ -390,25 +389,36 @@ fn prediction_lines(prediction: &Prediction) -> String {
     )
 }
 
-/// The calibration trial whose first step reserved the most while cuDNN timed its algorithms
-/// (benchmark mode), with its batch; `None` where none did.
-fn largest_algorithm_search(trials: &[Trial]) -> Option<(u64, AlgorithmSearch)> {
+/// The calibration trial whose first run (cuDNN's benchmark mode: it timed cuDNN's algorithms)
+/// reserved the most over its run on the chosen algorithms, with its batch and that run's peak
+/// reserved; `None` where none reserved over a twentieth more (shapes the process had run).
+fn largest_algorithm_search(trials: &[Trial]) -> Option<(u64, AlgorithmSearch, u64)> {
     trials
         .iter()
-        .filter_map(|t| Some((t.batch, t.outcome.measured()?.algorithm_search?)))
-        .max_by_key(|(_, search)| search.peak_reserved)
+        .filter_map(|t| {
+            let m = t.outcome.measured()?;
+            let search = m.algorithm_search?;
+            (search.peak_reserved as f64 > m.peak_reserved as f64 * 1.05).then_some((
+                t.batch,
+                search,
+                m.peak_reserved,
+            ))
+        })
+        .max_by_key(|(_, search, _)| search.peak_reserved)
 }
 
-/// Under cuDNN's benchmark mode: what the first step at a new shape takes beside the estimate,
+/// Under cuDNN's benchmark mode: what a first run at a new shape reserved beside the estimate,
 /// and why it is not in it.
-fn algorithm_search_line((batch, search): (u64, AlgorithmSearch)) -> String {
+fn algorithm_search_line((batch, search, chosen): (u64, AlgorithmSearch, u64)) -> String {
     format!(
-        "\ncuDNN's benchmark mode is on: the first step at each new shape also times cuDNN's \
-         algorithms, each with a workspace as large as free memory allows (up to {} reserved in \
-         the calibration trial at {batch}). cuDNN takes less where less is free, so the figures \
-         above are for the steps after it, which keep the algorithms it chose; a check measures \
-         those steps too.",
-        human_bytes(search.peak_reserved)
+        "\ncuDNN's benchmark mode is on: a first step at a new shape also times cuDNN's \
+         algorithms, each with a workspace of its own. The calibration trial at {batch} reserved \
+         {} in such a first run, {} when run again on the algorithms cuDNN chose. The figures \
+         above are for runs on chosen algorithms: with less memory free cuDNN tries fewer \
+         algorithms (and may choose others), and in the notebook's own run what the timing \
+         reserved stays reserved until memory runs short.",
+        human_bytes(search.peak_reserved),
+        human_bytes(chosen)
     )
 }
 
@@ -1026,13 +1036,35 @@ mod tests {
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(
             text.contains("benchmark mode is on")
-                && text.contains("(up to 3.5 GiB reserved in the calibration trial at 16)"),
+                && text
+                    .contains("The calibration trial at 16 reserved 3.5 GiB in such a first run"),
             "{text}"
         );
         assert_eq!(
             display.data[ESTIMATE_MIME]["algorithm_search_peak_reserved"],
             json!(7u64 << 29)
         );
+        // A first run that reserved no more (shapes the process had run) is not told.
+        let seen = Trial {
+            outcome: Outcome::Ran(Box::new(Measured {
+                algorithm_search: Some(AlgorithmSearch {
+                    peak_allocated: measured.peak_allocated,
+                    peak_reserved: measured.peak_reserved,
+                }),
+                ..measured.clone()
+            })),
+            ..trial.clone()
+        };
+        let display = estimate_display(&EstimateView {
+            what: "batch 64".into(),
+            prediction: &prediction,
+            context: 500 << 20,
+            capacity: 1 << 30,
+            trials: std::slice::from_ref(&seen),
+            check: None,
+        });
+        let text = display.data["text/plain"].as_str().unwrap();
+        assert!(!text.contains("benchmark mode"), "{text}");
 
         // Trials whose caches disagree: peak reserved is told as a range, and checked against it.
         let spread = Prediction {

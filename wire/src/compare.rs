@@ -61,21 +61,10 @@ pub struct CompareRun {
     /// step adds up.
     #[serde(default)]
     pub optimizer_step_seconds: Vec<f64>,
-    /// Under cuDNN's benchmark mode, the run's first step, where cuDNN timed its algorithms at
-    /// the run's shapes with workspaces as large as free memory allowed (CUDA only). The run's
-    /// peaks, phase peaks and allocator events then count from the end of that step, from an
-    /// emptied cache: the steps that follow, which keep the algorithms it chose.
+    /// Whether cuDNN's benchmark mode was on (CUDA only): the first step at each shape the
+    /// process had not run then timed cuDNN's algorithms, each with a workspace of its own.
     #[serde(default)]
-    pub algorithm_search: Option<AlgorithmSearch>,
-}
-
-/// The allocator's peaks over a step in which cuDNN timed its algorithms (benchmark mode).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AlgorithmSearch {
-    /// Peak allocated bytes from the run's beginning to the end of that step.
-    pub peak_allocated: u64,
-    /// Peak reserved bytes over the same.
-    pub peak_reserved: u64,
+    pub cudnn_benchmark: bool,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.
