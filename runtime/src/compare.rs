@@ -319,6 +319,10 @@ pub fn finish() -> Finished {
     if let Some(segments) = state.as_mut().and_then(|s| s.alloc_segments.take()) {
         alloc_trace::stop(segments);
     }
+    if let Some(state) = state.as_mut() {
+        // Also where the cell itself turned the mode on, after the run began.
+        state.run.cudnn_benchmark |= state.peaks.is_some() && crate::cudnn::benchmark();
+    }
     Finished(state.map(|s| s.run).unwrap_or_default())
 }
 

@@ -5,8 +5,8 @@ extern "C" {
 }
 
 /// Whether cuDNN's benchmark mode is on (`tch::Cuda::cudnn_set_benchmark(true)`; tch's default
-/// is off): the first step at each new shape then times cuDNN's algorithms, each with a
-/// workspace of its own (those that need more than it can get are skipped).
+/// is off): the first step at each shape new to the process then times cuDNN's algorithms, with
+/// a workspace for the largest that fits in what the allocator can get.
 pub fn benchmark() -> bool {
     // SAFETY: reads a flag of libtorch's global context; no arguments, nothing to free.
     unsafe { tchmem_cudnn_benchmark() != 0 }

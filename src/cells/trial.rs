@@ -147,8 +147,7 @@ impl<R: Runner> Cells<R> {
     /// dropped: the magic's table says what happened).
     ///
     /// Under cuDNN's benchmark mode the first step at a shape the process has not run times
-    /// cuDNN's algorithms, each with a workspace of its own, which follow what is free rather
-    /// than the batch (on an H100 under a 1.4 GiB limit, resnet18's trials reserved 1.3-1.4 GiB
+    /// cuDNN's algorithms, with workspaces that follow what is free rather than the batch (on an H100 under a 1.4 GiB limit, resnet18's trials reserved 1.3-1.4 GiB
     /// at every new batch from 260 to 512, 890 MiB at 256, which the notebook had run:
     /// `results/gpu/2026-12-06-pairing-benchmark/`). Such a trial runs again right after: cuDNN
     /// keeps its choice per shape for the process, so the second run measures steps on the
@@ -245,7 +244,7 @@ impl<R: Runner> Cells<R> {
             outcome: result,
         };
         if let Some(run) = &run {
-            keep_for_study(&trial, run);
+            keep_for_study(&trial, run, !again.is_empty());
         }
         let cudnn_benchmark = run.is_some_and(|run| run.cudnn_benchmark);
         Ok((trial, cudnn_benchmark))
@@ -323,7 +322,7 @@ impl<R: Runner> Cells<R> {
 /// timed step's seconds with the GPU's work in the profiled one), so that a miss on the GPU
 /// machine can be studied on a machine without one. Best effort: a failed write is logged, the
 /// trial goes on.
-fn keep_for_study(trial: &Trial, run: &CompareRun) {
+fn keep_for_study(trial: &Trial, run: &CompareRun, again: bool) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static WRITTEN: AtomicUsize = AtomicUsize::new(0);
     let Some(dir) = std::env::var_os("TCHMEM_TRIAL_TRACES") else {
@@ -344,6 +343,9 @@ fn keep_for_study(trial: &Trial, run: &CompareRun) {
         "parameters": m.parameters,
         "step_seconds": run.step_seconds,
         "gpu_busy_seconds": run.gpu_busy_seconds,
+        // Under cuDNN's benchmark mode a trial runs twice; the second is the one measured.
+        "cudnn_benchmark": run.cudnn_benchmark,
+        "again": again,
         // Each operator's name and bytes: how two trials' operators pair (see
         // `fit::op_peak::OpLines::of`), and why where they do not.
         "ops": m.ops.as_ref().map(|ops| &ops.ops),

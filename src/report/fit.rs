@@ -246,7 +246,7 @@ pub fn estimate_display(view: &EstimateView) -> Display {
     };
     let step_time = &view.prediction.step_time;
     let spread = view.prediction.reserved_spread;
-    let search = largest_algorithm_search(view.trials);
+    let search = largest_algorithm_search(view.trials.iter().chain(view.check));
     let step = format!(
         "{}{}",
         prediction_lines(view.prediction),
@@ -389,12 +389,13 @@ fn prediction_lines(prediction: &Prediction) -> String {
     )
 }
 
-/// The calibration trial whose first run (cuDNN's benchmark mode: it timed cuDNN's algorithms)
-/// reserved the most over its run on the chosen algorithms, with its batch and that run's peak
+/// The trial (calibration or check) whose first run (cuDNN's benchmark mode: it timed cuDNN's
+/// algorithms) reserved the most over its run on the chosen algorithms, with its batch and that run's peak
 /// reserved; `None` where none reserved over a twentieth more (shapes the process had run).
-fn largest_algorithm_search(trials: &[Trial]) -> Option<(u64, AlgorithmSearch, u64)> {
+fn largest_algorithm_search<'a>(
+    trials: impl Iterator<Item = &'a Trial>,
+) -> Option<(u64, AlgorithmSearch, u64)> {
     trials
-        .iter()
         .filter_map(|t| {
             let m = t.outcome.measured()?;
             let search = m.algorithm_search?;
@@ -411,12 +412,10 @@ fn largest_algorithm_search(trials: &[Trial]) -> Option<(u64, AlgorithmSearch, u
 /// and why it is not in it.
 fn algorithm_search_line((batch, search, chosen): (u64, AlgorithmSearch, u64)) -> String {
     format!(
-        "\ncuDNN's benchmark mode is on: a first step at a new shape also times cuDNN's \
-         algorithms, each with a workspace of its own. The calibration trial at {batch} reserved \
-         {} in such a first run, {} when run again on the algorithms cuDNN chose. The figures \
-         above are for runs on chosen algorithms: with less memory free cuDNN tries fewer \
-         algorithms (and may choose others), and in the notebook's own run what the timing \
-         reserved stays reserved until memory runs short.",
+        "\ncuDNN's benchmark mode is on: the first step at a shape new to the process times \
+         cuDNN's algorithms. The trial at {batch} reserved {} in its first run, {} when run \
+         again on the algorithms chosen; the figures above are for the latter. The notebook's \
+         own first steps at a new batch may reserve more, up to what is free.",
         human_bytes(search.peak_reserved),
         human_bytes(chosen)
     )
@@ -1014,7 +1013,7 @@ mod tests {
             Value::Null
         );
 
-        // Trials under cuDNN's benchmark mode: the first step's search is told apart.
+        // Trials under cuDNN's benchmark mode: the first run's peak is told apart.
         let searched = Trial {
             outcome: Outcome::Ran(Box::new(Measured {
                 algorithm_search: Some(AlgorithmSearch {
@@ -1036,8 +1035,7 @@ mod tests {
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(
             text.contains("benchmark mode is on")
-                && text
-                    .contains("The calibration trial at 16 reserved 3.5 GiB in such a first run"),
+                && text.contains("The trial at 16 reserved 3.5 GiB in its first run"),
             "{text}"
         );
         assert_eq!(

@@ -62,7 +62,7 @@ pub struct CompareRun {
     #[serde(default)]
     pub optimizer_step_seconds: Vec<f64>,
     /// Whether cuDNN's benchmark mode was on (CUDA only): the first step at each shape the
-    /// process had not run then timed cuDNN's algorithms, each with a workspace of its own.
+    /// process had not run then timed cuDNN's algorithms.
     #[serde(default)]
     pub cudnn_benchmark: bool,
 }
