@@ -258,6 +258,20 @@ fn let_bindings_are_recognised() {
     assert!(!binds("tchmem::watch(&vs);", "vs"));
 }
 
+/// The training cell `%memfit` reads from [`LOOP`], for calling trials directly.
+fn memfit_cell(cells: &mut Cells<FakeRunner>) -> super::trial::TrainingCell {
+    cells
+        .training_cell(
+            &magics::CellMagicSource {
+                line: "%memfit",
+                body: LOOP,
+                body_offset: 1,
+            },
+            "%memfit",
+        )
+        .unwrap()
+}
+
 #[test]
 fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
     let answers = Arc::new(Mutex::new(Vec::<CellOutcome>::new()));
@@ -269,16 +283,7 @@ fn a_trial_tells_a_run_an_oom_a_failure_and_a_stop_apart() {
             gpu().answer(code)
         }
     }));
-    let cell = cells
-        .training_cell(
-            &magics::CellMagicSource {
-                line: "%memfit",
-                body: LOOP,
-                body_offset: 1,
-            },
-            "%memfit",
-        )
-        .unwrap();
+    let cell = memfit_cell(&mut cells);
     let options = rewrite::Options::default();
     answers.lock().unwrap().extend([
         gpu().answer("let batch_size: i64 = 8;\ntchmem::compare::begin(3);"),
@@ -328,16 +333,7 @@ fn under_cudnns_benchmark_mode_a_trial_runs_again_on_the_chosen_algorithms() {
             }
         })
     }));
-    let cell = benchmarked
-        .training_cell(
-            &magics::CellMagicSource {
-                line: "%memfit",
-                body: LOOP,
-                body_offset: 1,
-            },
-            "%memfit",
-        )
-        .unwrap();
+    let cell = memfit_cell(&mut benchmarked);
     let trial = benchmarked
         .trial(&cell, &rewrite::Options::default(), 8, 3)
         .ok()
@@ -350,16 +346,7 @@ fn under_cudnns_benchmark_mode_a_trial_runs_again_on_the_chosen_algorithms() {
     assert_eq!(search.peak_reserved, 3 << 30, "the first run's, kept apart");
     // Without the mode a trial runs once (the other tests' fake never sets it).
     let mut plain = cells(FakeRunner::on(gpu()));
-    let cell = plain
-        .training_cell(
-            &magics::CellMagicSource {
-                line: "%memfit",
-                body: LOOP,
-                body_offset: 1,
-            },
-            "%memfit",
-        )
-        .unwrap();
+    let cell = memfit_cell(&mut plain);
     let trial = plain
         .trial(&cell, &rewrite::Options::default(), 8, 3)
         .ok()

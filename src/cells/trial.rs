@@ -160,7 +160,7 @@ impl<R: Runner> Cells<R> {
         batch: u64,
         steps: u32,
     ) -> Result<Trial, TrialError> {
-        let (first, cudnn_benchmark) = self.run_trial(cell, options, batch, steps, "")?;
+        let (first, cudnn_benchmark) = self.run_trial(cell, options, batch, steps, false)?;
         let searched = match &first.outcome {
             Outcome::Ran(m) if cudnn_benchmark => AlgorithmSearch {
                 peak_allocated: m.peak_allocated,
@@ -168,28 +168,22 @@ impl<R: Runner> Cells<R> {
             },
             _ => return Ok(first),
         };
-        let (mut again, _) = self.run_trial(
-            cell,
-            options,
-            batch,
-            steps,
-            ", on cuDNN's chosen algorithms",
-        )?;
+        let (mut again, _) = self.run_trial(cell, options, batch, steps, true)?;
         if let Outcome::Ran(m) = &mut again.outcome {
             m.algorithm_search = Some(searched);
         }
         Ok(again)
     }
 
-    /// One run of [`Self::trial`], labelled `again` in the live view after its batch; also
-    /// says whether cuDNN's benchmark mode was on in it.
+    /// One run of [`Self::trial`] (`again`: the second, on cuDNN's chosen algorithms); also says
+    /// whether cuDNN's benchmark mode was on in it.
     fn run_trial(
         &mut self,
         cell: &TrainingCell,
         options: &Options,
         batch: u64,
         steps: u32,
-        again: &str,
+        again: bool,
     ) -> Result<(Trial, bool), TrialError> {
         let with_model = self.with_rebuilt_model(cell, options);
         let assembled = with_model.as_ref().unwrap_or(&cell.assembled);
@@ -216,7 +210,12 @@ impl<R: Runner> Cells<R> {
             BEGIN_RECORDING_OPS,
         );
         // Its own output is dropped; its live view shows under the magic's cell.
-        self.live_label = Some(format!("trial at batch {batch}{}{again}", options.flags()));
+        let chosen = if again {
+            ", on cuDNN's chosen algorithms"
+        } else {
+            ""
+        };
+        self.live_label = Some(format!("trial at batch {batch}{}{chosen}", options.flags()));
         let outcome = self.run_cell_code(&run, self.live_view_only());
         self.live_label = None;
         let run = outcome
@@ -244,7 +243,7 @@ impl<R: Runner> Cells<R> {
             outcome: result,
         };
         if let Some(run) = &run {
-            keep_for_study(&trial, run, !again.is_empty());
+            keep_for_study(&trial, run, again);
         }
         let cudnn_benchmark = run.is_some_and(|run| run.cudnn_benchmark);
         Ok((trial, cudnn_benchmark))

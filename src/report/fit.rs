@@ -981,14 +981,18 @@ mod tests {
             batch: 16,
             outcome: Outcome::Ran(Box::new(measured.clone())),
         };
-        let display = estimate_display(&EstimateView {
-            what: "batch 64".into(),
-            prediction: &prediction,
-            context: 500 << 20,
-            capacity: 1 << 30,
-            trials: std::slice::from_ref(&trial),
-            check: Some(&trial),
-        });
+        // An estimate for batch 64 on a card of 1 GiB (500 MiB of it the context).
+        let on_a_1_gib_card = |prediction: &Prediction, trial: &Trial, check: Option<&Trial>| {
+            estimate_display(&EstimateView {
+                what: "batch 64".into(),
+                prediction,
+                context: 500 << 20,
+                capacity: 1 << 30,
+                trials: std::slice::from_ref(trial),
+                check,
+            })
+        };
+        let display = on_a_1_gib_card(&prediction, &trial, Some(&trial));
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(text.contains("fits:"), "{text}");
         assert!(text.contains("exact: Adam's rule"), "{text}");
@@ -1024,14 +1028,7 @@ mod tests {
             })),
             ..trial.clone()
         };
-        let display = estimate_display(&EstimateView {
-            what: "batch 64".into(),
-            prediction: &prediction,
-            context: 500 << 20,
-            capacity: 1 << 30,
-            trials: std::slice::from_ref(&searched),
-            check: None,
-        });
+        let display = on_a_1_gib_card(&prediction, &searched, None);
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(
             text.contains("benchmark mode is on")
@@ -1053,14 +1050,7 @@ mod tests {
             })),
             ..trial.clone()
         };
-        let display = estimate_display(&EstimateView {
-            what: "batch 64".into(),
-            prediction: &prediction,
-            context: 500 << 20,
-            capacity: 1 << 30,
-            trials: std::slice::from_ref(&seen),
-            check: None,
-        });
+        let display = on_a_1_gib_card(&prediction, &seen, None);
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(!text.contains("benchmark mode"), "{text}");
 
@@ -1069,14 +1059,7 @@ mod tests {
             reserved_spread: Some((prediction.peak_reserved, prediction.peak_reserved * 2)),
             ..prediction.clone()
         };
-        let display = estimate_display(&EstimateView {
-            what: "batch 64".into(),
-            prediction: &spread,
-            context: 500 << 20,
-            capacity: 1 << 30,
-            trials: std::slice::from_ref(&trial),
-            check: Some(&trial),
-        });
+        let display = on_a_1_gib_card(&spread, &trial, Some(&trial));
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(
             text.contains("the calibration trials' caches disagree"),
