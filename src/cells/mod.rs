@@ -13,6 +13,7 @@ mod op_replay;
 mod optimize;
 mod optimize_fit;
 mod run;
+mod study;
 #[cfg(test)]
 mod tests;
 mod trial;

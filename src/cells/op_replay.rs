@@ -3,7 +3,7 @@
 
 use tchmem_wire::op_trace::{OpReplay, OP_REPLAY_MIME};
 
-use super::{Cells, Runner};
+use super::{study, Cells, Runner};
 use crate::fit::estimate::Calibration;
 use crate::fit::op_peak::{OpLines, Replayed};
 use crate::session::CellIo;
@@ -31,11 +31,14 @@ impl<R: Runner> Cells<R> {
             Some(OpReplay::default())
         } else {
             let outcome = self.run(&replay_code(&lines, micro, &pairs), CellIo::quiet());
-            outcome
+            let reply = outcome
                 .data
                 .get(OP_REPLAY_MIME)
-                .and_then(|json| serde_json::from_str::<OpReplay>(json).ok())
-                .filter(|replay| replay.error.is_none())
+                .and_then(|json| serde_json::from_str::<OpReplay>(json).ok());
+            if let Some(reply) = &reply {
+                study::keep_replay(micro, &pairs, reply);
+            }
+            reply.filter(|replay| replay.error.is_none())
         };
         let Some(answer) = answer else {
             tracing::info!("the operators' replay at {micro} gave no answer: lines only");

@@ -6,6 +6,7 @@ use tchmem_wire::compare::{CompareRun, COMPARE_RUN_MIME};
 use tchmem_wire::estimate::{DeviceRoom, OptimizerRule, DEVICE_ROOM_MIME};
 
 use super::optimize::{compare_cell, compare_misleads, BEGIN_RECORDING_OPS};
+use super::study;
 use super::{Cells, Runner};
 use crate::fit::estimate::{calibration_batches, fallback_batch, Calibration};
 use crate::fit::trial::{AlgorithmSearch, Measured, Outcome, Trial};
@@ -243,7 +244,7 @@ impl<R: Runner> Cells<R> {
             outcome: result,
         };
         if let Some(run) = &run {
-            keep_for_study(&trial, run, again);
+            study::keep_trial(&trial, run, again);
         }
         let cudnn_benchmark = run.is_some_and(|run| run.cudnn_benchmark);
         Ok((trial, cudnn_benchmark))
@@ -312,50 +313,5 @@ impl<R: Runner> Cells<R> {
             gradients_in_backward: options.step_in_backward,
             replayed: None,
         }))
-    }
-}
-
-/// Where `TCHMEM_TRIAL_TRACES` names a folder, each trial that recorded the allocator's events
-/// is written there (`trial-<pid>-<n>.json`, in the form `src/fit/reserved.rs`'s tests read:
-/// batch, rewrites, the bytes it began with and peaked at, the parameters, the trace, and every
-/// timed step's seconds with the GPU's work in the profiled one), so that a miss on the GPU
-/// machine can be studied on a machine without one. Best effort: a failed write is logged, the
-/// trial goes on.
-fn keep_for_study(trial: &Trial, run: &CompareRun, again: bool) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static WRITTEN: AtomicUsize = AtomicUsize::new(0);
-    let Some(dir) = std::env::var_os("TCHMEM_TRIAL_TRACES") else {
-        return;
-    };
-    let Outcome::Ran(m) = &trial.outcome else {
-        return;
-    };
-    let Some(trace) = &m.allocations else {
-        return;
-    };
-    let json = serde_json::json!({
-        "batch": trial.batch,
-        "rewrites": trial.options.flags(),
-        "begin_allocated": m.begin,
-        "peak_allocated": m.peak_allocated,
-        "peak_reserved": m.peak_reserved,
-        "parameters": m.parameters,
-        "step_seconds": run.step_seconds,
-        "gpu_busy_seconds": run.gpu_busy_seconds,
-        // Under cuDNN's benchmark mode a trial runs twice; the second is the one measured.
-        "cudnn_benchmark": run.cudnn_benchmark,
-        "again": again,
-        // Each operator's name and bytes: how two trials' operators pair (see
-        // `fit::op_peak::OpLines::of`), and why where they do not.
-        "ops": m.ops.as_ref().map(|ops| &ops.ops),
-        "trace": &**trace,
-    });
-    let n = WRITTEN.fetch_add(1, Ordering::Relaxed);
-    let path = std::path::Path::new(&dir).join(format!("trial-{}-{n}.json", std::process::id()));
-    if let Err(error) = std::fs::write(&path, json.to_string()) {
-        tracing::warn!(
-            "could not keep the trial's trace in {}: {error}",
-            path.display()
-        );
     }
 }
