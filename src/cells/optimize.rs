@@ -130,7 +130,35 @@ pub(super) fn compare_misleads(body: &str, kept: &[String]) -> Option<String> {
 impl<R: Runner> Cells<R> {
     /// Runs one version of the loop for `steps` steps and returns its measurements, or the
     /// outcome that ends the comparison (a refusal, an interrupt, a crash).
+    ///
+    /// Under cuDNN's benchmark mode a side's first step at a shape the process has not run
+    /// (bf16's, a checkpointed recompute's) times cuDNN's algorithms, with workspaces that
+    /// follow what is free: the side runs again, on the algorithms cuDNN chose, as a trial
+    /// does (`Cells::trial`), and its first run's peak reserved is kept beside the second's.
     fn compare_side(
+        &mut self,
+        name: &str,
+        code: &str,
+        steps: u32,
+        origin: CodeOrigin<'_>,
+        keep: &[String],
+        io: &CellIo,
+    ) -> Result<Side, Box<CellOutcome>> {
+        let first = self.compare_run(name, code, steps, origin, keep, io)?;
+        let searched = match &first {
+            Ok(run) if run.cudnn_benchmark => run.peak_reserved,
+            _ => return Ok(first),
+        };
+        let again = format!("{name}, again on cuDNN's chosen algorithms");
+        let mut second = self.compare_run(&again, code, steps, origin, keep, io)?;
+        if let Ok(run) = &mut second {
+            run.first_run_peak_reserved = searched;
+        }
+        Ok(second)
+    }
+
+    /// One run of [`Self::compare_side`].
+    fn compare_run(
         &mut self,
         name: &str,
         code: &str,

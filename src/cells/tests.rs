@@ -355,6 +355,82 @@ fn under_cudnns_benchmark_mode_a_trial_runs_again_on_the_chosen_algorithms() {
     assert_eq!(trial.outcome.measured().unwrap().algorithm_search, None);
 }
 
+#[test]
+fn under_cudnns_benchmark_mode_a_trial_without_convolutions_runs_once() {
+    // The mode times convolutions only: a run that recorded operators and none of them a
+    // convolution (a transformer) has nothing to run again for; one that did, has.
+    for (op, runs) in [("aten::linear", 1), ("aten::conv2d", 2)] {
+        let mut benchmarked = cells(FakeRunner::new(move |code| {
+            with_run(gpu().answer(code), |run| {
+                run.cudnn_benchmark = true;
+                run.ops = Some(tchmem_wire::op_trace::OpTrace {
+                    id: 1,
+                    ops: vec![tchmem_wire::op_trace::OpCost {
+                        name: op.into(),
+                        start: 0,
+                        excess: 0,
+                    }],
+                });
+            })
+        }));
+        let cell = memfit_cell(&mut benchmarked);
+        let trial = benchmarked
+            .trial(&cell, &rewrite::Options::default(), 8, 3)
+            .ok()
+            .unwrap();
+        assert_eq!(benchmarked.runner.trials().len(), runs, "with {op}");
+        let search = trial.outcome.measured().unwrap().algorithm_search;
+        assert_eq!(search.is_some(), runs == 2, "with {op}");
+    }
+}
+
+#[test]
+fn under_cudnns_benchmark_mode_compare_runs_each_side_again_and_says_why() {
+    // Each side's first run times cuDNN's algorithms (9 GiB reserved); the second does not.
+    let mut runs = 0;
+    let mut benchmarked = cells(FakeRunner::new(move |code| {
+        let outcome = gpu().answer(code);
+        if !code.contains("tchmem::compare::begin") {
+            return outcome;
+        }
+        runs += 1;
+        let searching = runs % 2 == 1;
+        with_run(outcome, |run| {
+            run.cudnn_benchmark = true;
+            if searching {
+                run.peak_reserved = Some(9 << 30);
+            }
+        })
+    }));
+    let shown = Shown::default();
+    let outcome = benchmarked.execute(
+        &format!("%%optimize --amp bf16 --compare 3\n{LOOP}"),
+        shown.io(),
+    );
+    assert_eq!(outcome.error, None);
+    assert_eq!(benchmarked.runner.trials().len(), 4, "each side ran twice");
+    let text = shown.all();
+    assert!(
+        text.contains("original, again on cuDNN's chosen algorithms")
+            && text.contains("rewritten, again on cuDNN's chosen algorithms"),
+        "{text}"
+    );
+    assert!(
+        text.contains("cuDNN's benchmark mode was on")
+            && text.contains("original 9.0 GiB, rewritten 9.0 GiB"),
+        "{text}"
+    );
+    // The table's peak reserved is the second run's, not the search's.
+    let row = text
+        .lines()
+        .find(|line| line.starts_with("peak reserved by the loop"))
+        .expect("the table has the row");
+    assert!(
+        !row.contains("9.0 GiB") && row.contains("5.0 GiB") && row.contains("3.0 GiB"),
+        "{row}"
+    );
+}
+
 /// The exploratory pattern: the batch and the model in earlier cells, the loop alone.
 const SPLIT_CELLS: [&str; 2] = [
     "const BATCH_SIZE: i64 = 64;",

@@ -153,7 +153,8 @@ impl<R: Runner> Cells<R> {
     /// `results/gpu/2026-12-06-pairing-benchmark/`). Such a trial runs again right after: cuDNN
     /// keeps its choice per shape for the process, so the second run measures steps on the
     /// algorithms it chose, from the same beginning as any trial; the first run's peaks are kept
-    /// beside them.
+    /// beside them. A run whose recorded operators hold no convolution (a transformer with the
+    /// mode on) timed nothing and does not run again.
     pub(super) fn trial(
         &mut self,
         cell: &TrainingCell,
@@ -163,10 +164,12 @@ impl<R: Runner> Cells<R> {
     ) -> Result<Trial, TrialError> {
         let (first, cudnn_benchmark) = self.run_trial(cell, options, batch, steps, false)?;
         let searched = match &first.outcome {
-            Outcome::Ran(m) if cudnn_benchmark => AlgorithmSearch {
-                peak_allocated: m.peak_allocated,
-                peak_reserved: m.peak_reserved,
-            },
+            Outcome::Ran(m) if cudnn_benchmark && m.may_have_timed_convolutions() => {
+                AlgorithmSearch {
+                    peak_allocated: m.peak_allocated,
+                    peak_reserved: m.peak_reserved,
+                }
+            }
             _ => return Ok(first),
         };
         let (mut again, _) = self.run_trial(cell, options, batch, steps, true)?;

@@ -63,6 +63,18 @@ pub struct AlgorithmSearch {
 }
 
 impl Measured {
+    /// Whether the run may have timed cuDNN's algorithms: benchmark mode times convolutions'
+    /// only (ATen reads the flag in its convolution parameters alone), so a run whose recorded
+    /// operators hold none did not. Without a recording this cannot be told: `true`.
+    pub fn may_have_timed_convolutions(&self) -> bool {
+        self.ops.as_ref().is_none_or(|trace| {
+            trace.ops.iter().any(|op| {
+                let name = op.name.trim_start_matches("aten::");
+                name.contains("conv") && !name.contains("convert")
+            })
+        })
+    }
+
     /// The measurements of a compare run; `None` if it made no step.
     pub fn of(run: &CompareRun) -> Option<Measured> {
         let typical = run.typical_step_seconds()?;

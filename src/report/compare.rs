@@ -189,7 +189,7 @@ pub fn verdict(original: &Side, rewritten: &Side) -> String {
                 }
                 _ => String::new(),
             };
-            memory + &time + &spread_caveat(a, b)
+            memory + &time + &spread_caveat(a, b) + &algorithm_search_note(a, b)
         }
     }
 }
@@ -221,6 +221,28 @@ fn spread_caveat(a: &CompareRun, b: &CompareRun) -> String {
         )
     } else {
         String::new()
+    }
+}
+
+/// What the first runs reserved where `--compare` ran a side again under cuDNN's benchmark
+/// mode (`first_run_peak_reserved`), so that the table's steady figures are read as such.
+fn algorithm_search_note(a: &CompareRun, b: &CompareRun) -> String {
+    let first = |run: &CompareRun| {
+        run.first_run_peak_reserved
+            .map(|peak| human_bytes(peak.saturating_sub(run.allocated_at_begin.unwrap_or(0))))
+    };
+    match (first(a), first(b)) {
+        (None, None) => String::new(),
+        (original, rewritten) => {
+            let or_dash = |side: Option<String>| side.unwrap_or_else(|| "–".into());
+            format!(
+                " cuDNN's benchmark mode was on: a side's first run timed cuDNN's algorithms \
+                 (peak reserved by the loop then: original {}, rewritten {}), so the table \
+                 shows a second run, on the algorithms cuDNN chose.",
+                or_dash(original),
+                or_dash(rewritten)
+            )
+        }
     }
 }
 

@@ -65,6 +65,11 @@ pub struct CompareRun {
     /// process had not run then timed cuDNN's algorithms.
     #[serde(default)]
     pub cudnn_benchmark: bool,
+    /// Set by the kernel, not the runtime: when `--compare` ran this side again under
+    /// benchmark mode (on the algorithms cuDNN chose), the first run's peak reserved bytes,
+    /// which its timing of those algorithms set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_run_peak_reserved: Option<u64>,
 }
 
 /// Peak allocated bytes per phase of a training step, over a run.
