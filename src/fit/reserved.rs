@@ -217,11 +217,11 @@ impl<'a> ReservedLines<'a> {
     ///
     /// A replayed request stands for the same request in the steps before the recorded one
     /// (the same loop makes the same requests in the same order), found by its key (see
-    /// [`Self::key`]). Two operators' requests may share a key at the trials'
-    /// batches and part at the target (cifar_resnet's workspaces of 8.98 MB at 16 were 8.98
-    /// and 17.4 MB at 32: `results/gpu/2026-12-06-benchmark-twice/`), so where a key's replayed
-    /// sizes disagree, the earlier steps' requests take them in the order the recorded step
-    /// made them, counted back from its start.
+    /// [`Self::key`]) and its place among the recorded step's requests of that key: two
+    /// operators' requests may share a key at the trials' batches and part at the target
+    /// (cifar_resnet's workspaces of 8.98 MB at 16 were 8.98 and 17.4 MB at 32:
+    /// `results/gpu/2026-12-06-benchmark-twice/`). The recorded step's requests that were not
+    /// replayed stay on their lines, whatever key they share.
     fn sizes_at(&self, micro: u64, replayed: Option<&Replayed>) -> Vec<u64> {
         let mut sizes: Vec<u64> = (0..self.large.sizes.len())
             .map(|j| self.line_size(j, micro))
@@ -249,15 +249,18 @@ impl<'a> ReservedLines<'a> {
             let Some(&first) = replayed.first() else {
                 continue;
             };
-            if replayed.iter().all(|&size| size == first) {
-                for &j in before.iter().chain(step).filter(|j| !own.contains_key(j)) {
+            if before.len() % step.len() == 0 {
+                // As many in each earlier step: each takes its twin's size in the recorded step.
+                let in_step: Vec<u64> = step.iter().map(|&j| sizes[j]).collect();
+                for (back, &j) in before.iter().rev().enumerate() {
+                    sizes[j] = in_step[in_step.len() - 1 - back % in_step.len()];
+                }
+            } else if replayed.iter().all(|&size| size == first) {
+                // The first step made more or fewer (the optimizer's state, a request still
+                // held when the trace ended): the twins cannot be told, but the size can.
+                for &j in before {
                     sizes[j] = first;
                 }
-                continue;
-            }
-            let in_step: Vec<u64> = step.iter().map(|&j| sizes[j]).collect();
-            for (back, &j) in before.iter().rev().enumerate() {
-                sizes[j] = in_step[in_step.len() - 1 - back % in_step.len()];
             }
         }
         sizes
@@ -672,44 +675,57 @@ pub(crate) mod tests {
             let text = std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap();
             serde_json::from_str(&text).unwrap()
         };
-        let number = |name: &str| -> (String, u64) {
-            let mut parts = name.rsplitn(2, '-');
-            let n = parts.next().unwrap().parse().unwrap();
-            (parts.next().unwrap().to_string(), n)
+        // `trial-<pid>-<n>` or `replay-<pid>-<n>`: (kind, pid, n).
+        let parts = |name: &str| -> Option<(String, String, u64)> {
+            let mut parts = name.splitn(3, '-');
+            let kind = parts.next()?.to_string();
+            let pid = parts.next()?.to_string();
+            Some((kind, pid, parts.next()?.parse().ok()?))
         };
-        let mut names: Vec<String> = std::fs::read_dir(&dir)
+        let mut names: Vec<(String, String, u64)> = std::fs::read_dir(&dir)
             .unwrap()
-            .map(|e| {
-                e.unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .replace(".json", "")
+            .filter_map(|e| {
+                parts(
+                    &e.unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .replace(".json", ""),
+                )
             })
             .collect();
-        names.sort_by_key(|name| {
-            let (kind_pid, n) = number(name);
-            (kind_pid.rsplit('-').next().unwrap().to_string(), n)
-        });
-        // The runs a magic measured: the second of each pair under cuDNN's benchmark mode.
-        let measured = |value: &serde_json::Value| value["again"] == value["cudnn_benchmark"];
-        for (k, name) in names.iter().enumerate() {
-            let Some(pid) = name.strip_prefix("replay-").map(|rest| number(rest).0) else {
+        names.sort_by(|a, b| (&a.1, a.2).cmp(&(&b.1, b.2)));
+        let name = |(kind, pid, n): &(String, String, u64)| format!("{kind}-{pid}-{n}");
+        // The runs a magic measured: under cuDNN's benchmark mode, a run followed by its second
+        // is not (a trial without convolutions runs once).
+        let measured: Vec<bool> = names
+            .iter()
+            .enumerate()
+            .map(|(k, entry)| {
+                let value = read(&name(entry));
+                let followed = names[k + 1..]
+                    .iter()
+                    .find(|next| next.0 == "trial" && next.1 == entry.1)
+                    .is_some_and(|next| read(&name(next))["again"] == true);
+                entry.0 == "trial" && (value["again"] == true || !followed)
+            })
+            .collect();
+        for (k, entry) in names.iter().enumerate() {
+            if entry.0 != "replay" {
                 continue;
-            };
-            let trial = |n: &&String| n.starts_with(&format!("trial-{pid}-"));
-            let before: Vec<&String> = names[..k]
-                .iter()
-                .filter(trial)
-                .filter(|n| measured(&read(n)))
+            }
+            let name = name(entry);
+            let ours = |i: &usize| measured[*i] && names[*i].1 == entry.1;
+            let before: Vec<String> = (0..k)
+                .filter(ours)
+                .map(|i| format!("trial-{}-{}", entry.1, names[i].2))
                 .collect();
-            let after = names[k + 1..]
-                .iter()
-                .filter(trial)
-                .find(|n| measured(&read(n)));
-            let (Some(after), [.., small, large]) = (after, before.as_slice()) else {
+            let after = (k + 1..names.len())
+                .find(ours)
+                .map(|i| format!("trial-{}-{}", entry.1, names[i].2));
+            let (Some(after), [.., small, large]) = (&after, before.as_slice()) else {
                 continue;
             };
-            let replay = read(name);
+            let replay = read(&name);
             let micro = replay["micro_batch"].as_u64().unwrap();
             let [s, l, a] = [small, large, after].map(|n| read(n));
             let rewrites = a["rewrites"].clone();
