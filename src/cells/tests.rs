@@ -416,8 +416,10 @@ fn under_cudnns_benchmark_mode_compare_runs_each_side_again_and_says_why() {
         "{text}"
     );
     assert!(
-        text.contains("cuDNN's benchmark mode was on")
-            && text.contains("original 9.0 GiB, rewritten 9.0 GiB"),
+        text.contains("cuDNN's benchmark mode was on: each side ran twice")
+            && text.contains(
+                "the first run reserved more (by the loop): original 9.0 GiB, rewritten 9.0 GiB."
+            ),
         "{text}"
     );
     // The table's peak reserved is the second run's, not the search's.
