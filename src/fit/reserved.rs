@@ -220,7 +220,10 @@ impl<'a> ReservedLines<'a> {
     /// [`Self::key`]) and its place among the recorded step's requests of that key: two
     /// operators' requests may share a key at the trials' batches and part at the target
     /// (cifar_resnet's workspaces of 8.98 MB at 16 were 8.98 and 17.4 MB at 32:
-    /// `results/gpu/2026-12-06-benchmark-twice/`). The recorded step's requests that were not
+    /// `results/gpu/2026-12-06-benchmark-twice/`). That holds where every earlier step made as
+    /// many of the key as the recorded one; where the first made more or fewer, the earlier
+    /// requests take the replayed size only when all of the recorded step's were replayed at
+    /// one size, and otherwise stay on their lines. The recorded step's requests that were not
     /// replayed stay on their lines, whatever key they share.
     fn sizes_at(&self, micro: u64, replayed: Option<&Replayed>) -> Vec<u64> {
         let mut sizes: Vec<u64> = (0..self.large.sizes.len())
@@ -255,9 +258,10 @@ impl<'a> ReservedLines<'a> {
                 for (back, &j) in before.iter().rev().enumerate() {
                     sizes[j] = in_step[in_step.len() - 1 - back % in_step.len()];
                 }
-            } else if replayed.iter().all(|&size| size == first) {
+            } else if replayed.len() == step.len() && replayed.iter().all(|&size| size == first) {
                 // The first step made more or fewer (the optimizer's state, a request still
-                // held when the trace ended): the twins cannot be told, but the size can.
+                // held when the trace ended): the twins cannot be told, but the size can, when
+                // every one of the recorded step's was replayed at it.
                 for &j in before {
                     sizes[j] = first;
                 }
@@ -585,6 +589,84 @@ pub(crate) mod tests {
             events,
             marks: vec![(0, 1), (-1, 4), (1, 4), (-1, 5)],
         }
+    }
+
+    /// Steps of operators, each an output of `out × batch` MiB and a workspace of `ws` MiB
+    /// freed at once, the outputs freed at the step's end; the last step's operators marked.
+    fn workspace_steps(batch: u64, steps: &[&[(u64, u64)]]) -> AllocTrace {
+        let (mut events, mut marks, mut n) = (Vec::new(), Vec::new(), 0i64);
+        for (k, ops) in steps.iter().enumerate() {
+            let last = k + 1 == steps.len();
+            let mut outputs = Vec::new();
+            for (op, &(out, ws)) in ops.iter().enumerate() {
+                if last {
+                    marks.push((op as i64, events.len()));
+                }
+                events.extend([(out * batch * MIB) as i64, (ws * MIB) as i64, -(n + 2)]);
+                outputs.push(n);
+                n += 2;
+                if last {
+                    marks.push((-1, events.len()));
+                }
+            }
+            events.extend(outputs.iter().map(|o| -(o + 1)));
+        }
+        AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(20 * MIB, false)],
+            }],
+            events,
+            marks,
+        }
+    }
+
+    #[test]
+    fn an_earlier_steps_request_takes_its_twins_replayed_size_in_the_recorded_step() {
+        // Two convolutions whose workspaces were 8 MiB in both trials (one key), replayed at 32
+        // with 8 and 24 MiB: the earlier step's twins take 8 and 24 in that order.
+        let ops: &[(u64, u64)] = &[(2, 8), (3, 8)];
+        let trial = |batch, steps: &[&[(u64, u64)]]| {
+            let measured = Measured {
+                cuda: true,
+                allocations: Some(workspace_steps(batch, steps).into()),
+                ..Measured::default()
+            };
+            (batch, measured)
+        };
+        let replayed = |a, b| Replayed {
+            micro: 32,
+            allocations: HashMap::from([
+                (0, vec![64 * MIB, a * MIB]),
+                (1, vec![96 * MIB, b * MIB]),
+            ]),
+            ..Replayed::default()
+        };
+        let workspaces = |sizes: Vec<u64>, indices: &[usize]| -> Vec<u64> {
+            indices.iter().map(|&j| sizes[j] / MIB).collect()
+        };
+        let points = [trial(8, &[ops, ops]), trial(16, &[ops, ops])];
+        let lines = ReservedLines::of(&points).unwrap();
+        let sizes = lines.sizes_at(32, Some(&replayed(8, 24)));
+        assert_eq!(workspaces(sizes, &[1, 3, 5, 7]), [8, 24, 8, 24]);
+        // Only the first replayed: the recorded step's other workspace and its twin stay on
+        // their line (8 MiB), the first's twin takes its size.
+        let only_first = Replayed {
+            micro: 32,
+            allocations: HashMap::from([(0, vec![64 * MIB, 40 * MIB])]),
+            ..Replayed::default()
+        };
+        let sizes = lines.sizes_at(32, Some(&only_first));
+        assert_eq!(workspaces(sizes, &[1, 3, 5, 7]), [40, 8, 40, 8]);
+        // The first step made one more (three workspaces, then two): no twins to tell. One
+        // replayed size is taken; two that disagree leave the earlier ones on their line.
+        let first_more: &[(u64, u64)] = &[(2, 8), (3, 8), (1, 8)];
+        let points = [trial(8, &[first_more, ops]), trial(16, &[first_more, ops])];
+        let lines = ReservedLines::of(&points).unwrap();
+        let agree = lines.sizes_at(32, Some(&replayed(24, 24)));
+        assert_eq!(workspaces(agree, &[1, 3, 5, 7, 9]), [24, 24, 24, 24, 24]);
+        let disagree = lines.sizes_at(32, Some(&replayed(8, 24)));
+        assert_eq!(workspaces(disagree, &[1, 3, 5, 7, 9]), [8, 8, 8, 8, 24]);
     }
 
     #[test]
