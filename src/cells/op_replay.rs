@@ -44,22 +44,6 @@ impl<R: Runner> Cells<R> {
             tracing::info!("the operators' replay at {micro} gave no answer: lines only");
             return;
         };
-        // By the larger trial's index, as its allocator trace marks its operators.
-        let excess = pairs
-            .iter()
-            .zip(answer.excess)
-            .filter_map(|(&(_, j), bytes)| Some((j, bytes?)))
-            .collect();
-        let allocations = pairs
-            .iter()
-            .zip(answer.allocations)
-            .filter(|(_, sizes)| !sizes.is_empty())
-            .map(|(&(_, j), sizes)| (j, sizes))
-            .collect();
-        calibration.replayed = Some(Replayed {
-            micro,
-            excess,
-            allocations,
-        });
+        calibration.replayed = Some(Replayed::of(micro, &pairs, answer));
     }
 }

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use tchmem_wire::op_trace::{OpCost, OpTrace};
+use tchmem_wire::op_trace::{OpCost, OpReplay, OpTrace};
 
 use super::edit_script::{self, Runs};
 use super::trial::Measured;
@@ -36,6 +36,30 @@ pub struct Replayed {
     pub excess: HashMap<usize, u64>,
     /// The sizes each requested from the allocator while it ran, by operator index (CUDA).
     pub allocations: HashMap<usize, Vec<u64>>,
+}
+
+impl Replayed {
+    /// What the child answered for operators `pairs` (each one's index in the smaller and the
+    /// larger trial's recording) run alone at `micro`, by the larger trial's index, as its
+    /// allocator trace marks its operators: those that ran, and those that requested anything.
+    pub fn of(micro: u64, pairs: &[(usize, usize)], answer: OpReplay) -> Replayed {
+        let excess = pairs
+            .iter()
+            .zip(answer.excess)
+            .filter_map(|(&(_, j), bytes)| Some((j, bytes?)))
+            .collect();
+        let allocations = pairs
+            .iter()
+            .zip(answer.allocations)
+            .filter(|(_, sizes)| !sizes.is_empty())
+            .map(|(&(_, j), sizes)| (j, sizes))
+            .collect();
+        Replayed {
+            micro,
+            excess,
+            allocations,
+        }
+    }
 }
 
 /// Two calibration trials whose operators line up.

@@ -721,20 +721,7 @@ pub(crate) mod tests {
             .unwrap(),
         )
         .unwrap();
-        let pairs: Vec<(usize, usize)> = serde_json::from_value(replay["pairs"].clone()).unwrap();
-        let sizes: Vec<Vec<u64>> = serde_json::from_value(replay["allocations"].clone()).unwrap();
-        let replayed = Replayed {
-            micro: 32,
-            // As the kernel keeps them (`cells::op_replay`): by the larger trial's index,
-            // those that requested anything.
-            allocations: pairs
-                .iter()
-                .map(|&(_, j)| j)
-                .zip(sizes)
-                .filter(|(_, sizes)| !sizes.is_empty())
-                .collect(),
-            ..Replayed::default()
-        };
+        let replayed = replayed_from_study(&replay);
         let points = [point(&small), point(&large)];
         let lines = ReservedLines::of(&points).unwrap();
         let (predicted, other) = lines.peak_reserved(32, Some(&replayed), None).unwrap();
@@ -743,6 +730,13 @@ pub(crate) mod tests {
         // On their lines alone the workspaces miss it.
         let (on_lines, _) = lines.peak_reserved(32, None, None).unwrap();
         assert!(error(on_lines, truth.peak_reserved) < -0.03);
+    }
+
+    /// A replay's study file (`cells::study::keep_replay`) as the kernel keeps the replay.
+    fn replayed_from_study(file: &serde_json::Value) -> Replayed {
+        let pairs: Vec<(usize, usize)> = serde_json::from_value(file["pairs"].clone()).unwrap();
+        let answer = serde_json::from_value(file.clone()).unwrap();
+        Replayed::of(file["micro_batch"].as_u64().unwrap(), &pairs, answer)
     }
 
     /// Not a test but a study, run by hand: every replay in the study files of a GPU run
@@ -777,18 +771,15 @@ pub(crate) mod tests {
             .collect();
         names.sort_by(|a, b| (&a.1, a.2).cmp(&(&b.1, b.2)));
         let name = |(kind, pid, n): &(String, String, u64)| format!("{kind}-{pid}-{n}");
+        let files: Vec<serde_json::Value> = names.iter().map(|entry| read(&name(entry))).collect();
         // The runs a magic measured: under cuDNN's benchmark mode, a run followed by its second
         // is not (a trial without convolutions runs once).
-        let measured: Vec<bool> = names
-            .iter()
-            .enumerate()
-            .map(|(k, entry)| {
-                let value = read(&name(entry));
-                let followed = names[k + 1..]
-                    .iter()
-                    .find(|next| next.0 == "trial" && next.1 == entry.1)
-                    .is_some_and(|next| read(&name(next))["again"] == true);
-                entry.0 == "trial" && (value["again"] == true || !followed)
+        let measured: Vec<bool> = (0..names.len())
+            .map(|k| {
+                let followed = (k + 1..names.len())
+                    .find(|&i| names[i].0 == "trial" && names[i].1 == names[k].1)
+                    .is_some_and(|i| files[i]["again"] == true);
+                names[k].0 == "trial" && (files[k]["again"] == true || !followed)
             })
             .collect();
         for (k, entry) in names.iter().enumerate() {
@@ -797,19 +788,14 @@ pub(crate) mod tests {
             }
             let name = name(entry);
             let ours = |i: &usize| measured[*i] && names[*i].1 == entry.1;
-            let before: Vec<String> = (0..k)
-                .filter(ours)
-                .map(|i| format!("trial-{}-{}", entry.1, names[i].2))
-                .collect();
-            let after = (k + 1..names.len())
-                .find(ours)
-                .map(|i| format!("trial-{}-{}", entry.1, names[i].2));
-            let (Some(after), [.., small, large]) = (&after, before.as_slice()) else {
+            let before: Vec<usize> = (0..k).filter(ours).collect();
+            let after = (k + 1..names.len()).find(ours);
+            let (Some(after), [.., small, large]) = (after, before.as_slice()) else {
                 continue;
             };
-            let replay = read(&name);
+            let replay = &files[k];
             let micro = replay["micro_batch"].as_u64().unwrap();
-            let [s, l, a] = [small, large, after].map(|n| read(n));
+            let [s, l, a] = [*small, *large, after].map(|i| files[i].clone());
             let rewrites = a["rewrites"].clone();
             if a["batch"].as_u64() != Some(micro) || s["rewrites"] != rewrites {
                 println!("{name}: its check is another loop ({rewrites})");
@@ -817,20 +803,7 @@ pub(crate) mod tests {
             }
             let parse = |v: serde_json::Value| serde_json::from_value::<Recorded>(v).unwrap();
             let [s, l, a] = [s, l, a].map(parse);
-            let pairs: Vec<(usize, usize)> =
-                serde_json::from_value(replay["pairs"].clone()).unwrap();
-            let sizes: Vec<Vec<u64>> =
-                serde_json::from_value(replay["allocations"].clone()).unwrap();
-            let replayed = Replayed {
-                micro,
-                allocations: pairs
-                    .iter()
-                    .map(|&(_, j)| j)
-                    .zip(sizes)
-                    .filter(|(_, sizes)| !sizes.is_empty())
-                    .collect(),
-                ..Replayed::default()
-            };
+            let replayed = replayed_from_study(replay);
             let points = [point(&s), point(&l)];
             let Some(lines) = ReservedLines::of(&points) else {
                 println!("{name}: the trials do not line up");
