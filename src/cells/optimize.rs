@@ -144,38 +144,37 @@ impl<R: Runner> Cells<R> {
         keep: &[String],
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
-        let first = self.compare_run(name, code, steps, origin, keep, io)?;
+        let instrumented = rewrite::instrument_for_compare(code)
+            .map_err(|refusal| Box::new(fail(origin.refused(refusal))))?;
+        let cell = compare_cell(&instrumented, steps, keep, BEGIN);
+        let first = self.compare_run(name, &cell, steps, io)?;
         let searched = match &first {
             Ok(run) if run.cudnn_benchmark => run.peak_reserved,
             _ => return Ok(first),
         };
         let again = format!("{name}, again on cuDNN's chosen algorithms");
-        let mut second = self.compare_run(&again, code, steps, origin, keep, io)?;
+        let mut second = self.compare_run(&again, &cell, steps, io)?;
         if let Ok(run) = &mut second {
             run.first_run_peak_reserved = searched;
         }
         Ok(second)
     }
 
-    /// One run of [`Self::compare_side`].
+    /// One run of [`Self::compare_side`]: its compare `cell`, run for `steps` steps.
     fn compare_run(
         &mut self,
         name: &str,
-        code: &str,
+        cell: &str,
         steps: u32,
-        origin: CodeOrigin<'_>,
-        keep: &[String],
         io: &CellIo,
     ) -> Result<Side, Box<CellOutcome>> {
-        let instrumented = rewrite::instrument_for_compare(code)
-            .map_err(|refusal| Box::new(fail(origin.refused(refusal))))?;
         (io.output)(CellOutput::Stream(
             StreamName::Stdout,
             format!("── {name}: {steps} step(s) ──\n"),
         ));
         self.live_label = Some(format!("--compare: {name}"));
         let outcome = self.run_cell_code(
-            &compare_cell(&instrumented, steps, keep, BEGIN),
+            cell,
             CellIo {
                 output: Arc::clone(&io.output),
                 input: None,
