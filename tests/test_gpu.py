@@ -283,6 +283,49 @@ def test_memestimate_predicts_the_measured_peak_within_5_percent(gpu, flags):
     assert "the GPU's own work in a step at this batch" in text, flags
 
 
+# One convolution's backward under cuDNN's benchmark mode, at the shape of cifar_resnet's +13.5%
+# (256 -> 512 channels, 8x8): at batch 8 autograd's device thread took another algorithm than a
+# second thread in 7 processes of 8 on an H100 (12 against 28 MB,
+# results/gpu/2026-12-06-cudnn-threads/). The mode keeps its choices per thread.
+CONV_LOOP = """{
+    use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+    let batch_size: i64 = 8;
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let config = nn::ConvConfig { padding: 1, bias: false, ..Default::default() };
+    let conv = nn::conv2d(vs.root(), 256, 512, 3, config);
+    let mut opt = nn::Sgd::default().build(&vs, 1e-2).unwrap();
+    for _ in 0..5 {
+        let xs = Tensor::randn([batch_size, 256, 8, 8], (Kind::Float, Device::Cuda(0))).set_requires_grad(true);
+        let loss = conv.forward(&xs).relu().mean(Kind::Float);
+        opt.backward_step(&loss);
+    }
+}"""
+
+
+def test_under_cudnns_benchmark_mode_a_replayed_backward_takes_the_loops_algorithm(gpu):
+    reply, _ = execute(gpu, "tch::Cuda::cudnn_set_benchmark(true);")
+    assert reply["status"] == "ok", reply
+    try:
+        # The loop runs at 8 first, as cifar_resnet's had before its replay at 32: its backward
+        # times the algorithms on autograd's thread and keeps one there.
+        reply, _ = execute(gpu, CONV_LOOP, timeout=600)
+        assert reply["status"] == "ok", reply
+        reply, messages = execute(gpu, f"%memestimate --batch 8 --check\n{CONV_LOOP}", timeout=600)
+        assert reply["status"] == "ok", reply
+        (estimate,) = displayed(messages, ESTIMATE_MIME)
+        (activations,) = [c for c in estimate["categories"] if c["name"] == "activations"]
+        assert re.search(r"the [1-9]\d* heaviest run alone", activations["how"]), activations
+        # The workspace is most of the step: replayed on autograd's thread, the backward found the
+        # loop's algorithm (from the cell's thread it timed its own, and took another in 7 of 8).
+        for what, within in (("allocated", 0.05), ("reserved", 0.10)):
+            predicted, measured = estimate[f"peak_{what}"], estimate[f"measured_peak_{what}"]
+            assert measured, estimate
+            assert abs(predicted - measured) / measured <= within, (what, predicted, measured)
+    finally:
+        execute(gpu, "tch::Cuda::cudnn_set_benchmark(false);")
+
+
 def test_memfit_finds_the_largest_batch_under_a_memory_fraction(gpu):
     reply, _ = execute(gpu, "tchmem::cuda_stats::set_memory_fraction(0.1).unwrap();")
     assert reply["status"] == "ok", reply

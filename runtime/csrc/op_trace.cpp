@@ -11,7 +11,10 @@
 // Replay builds an operator's arguments at another batch (a dimension that was b1 in one
 // recording and b2 in the other is scaled; zero-filled tensors), calls it through the dispatcher
 // and measures the same excess: a workspace that cuDNN sizes for the chosen algorithm at that
-// shape shows, which a line through two small batches cannot know.
+// shape shows, which a line through two small batches cannot know. An operator that ran on
+// another thread than the recording's (autograd's device thread, in a CUDA backward) is replayed
+// on that thread: PyTorch keeps cuDNN's benchmark-mode choices per thread, and a replay from the
+// caller's thread timed the algorithms afresh and could take another one than the loop's.
 //
 // Inside the kernel every cell links its own copy of this file: a recording is started and
 // stopped by one cell's copy (the trial's), then handed to Rust as a heap object, which the
@@ -37,8 +40,10 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <exception>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -68,6 +73,9 @@ struct Op {
   bool grad_enabled = false;
   bool autocast = false;
   c10::ScalarType autocast_dtype = c10::ScalarType::BFloat16;
+  // It ran on another thread than the one that started the recording: autograd's device
+  // thread, for a CUDA backward's operators.
+  bool off_recording_thread = false;
   int64_t start = 0;
   int64_t excess = 0;
 };
@@ -85,6 +93,8 @@ std::atomic<c10::DeviceIndex> device{0};
 int64_t carried_allocated = 0;
 int64_t carried_reserved = 0;
 std::atomic<bool> active{false};
+// The thread that started the recording (the loop's): written before `active` is set.
+std::thread::id recording_thread;
 // The process's allocation log, when the recording is to mark it (CUDA): each top-level
 // operator's beginning and end.
 std::atomic<tchmem::AllocLog*> alloc_log{nullptr};
@@ -192,6 +202,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   Op op;
   try {
     op.name = *fn.operator_name();
+    op.off_recording_thread = std::this_thread::get_id() != recording_thread;
     op.grad_enabled = c10::GradMode::is_enabled();
     op.autocast = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
     op.autocast_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CUDA);
@@ -360,10 +371,31 @@ int64_t replay_one(const Op& o1, const Op& o2, int64_t b1, int64_t b2, int64_t t
   return excess;
 }
 
+// Runs `body` on the thread autograd runs a backward of `device`'s tensors on, and waits: a
+// tensor's hook in a one-multiply backward. What `body` throws is thrown here.
+void on_autograd_thread(c10::DeviceIndex device, const std::function<void()>& body) {
+  c10::AutoGradMode grad_mode(true);
+  auto options = at::TensorOptions().device(c10::Device(c10::DeviceType::CUDA, device));
+  auto leaf = at::zeros({1}, options).requires_grad_(true);
+  auto product = leaf * 2;  // not a leaf: its hook runs inside the backward
+  std::exception_ptr failed;
+  product.register_hook([&](const at::Tensor&) {
+    try {
+      body();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  product.sum().backward();
+  if (failed) std::rethrow_exception(failed);
+}
+
 std::string signature(const Op& op) {
+  // The thread too: a checkpointed segment's forward runs again in backward, on autograd's.
   std::string key = op.name.name + "." + op.name.overload_name + "|" +
                     std::to_string(op.grad_enabled) + std::to_string(op.autocast) +
-                    std::to_string(static_cast<int>(op.autocast_dtype));
+                    std::to_string(static_cast<int>(op.autocast_dtype)) +
+                    std::to_string(op.off_recording_thread);
   std::function<void(const Arg&)> add = [&](const Arg& a) {
     switch (a.kind) {
       case Arg::Kind::Tensor:
@@ -406,6 +438,8 @@ int tchmem_ops_start(int with_cuda, int device_index, void* log, uint64_t* callb
                      size_t err_len) {
   return tchmem::guarded(
       [&] {
+        // An earlier recording that was never stopped left the callbacks reading.
+        active.store(false);
         std::lock_guard<std::mutex> lock(mutex);
         // A handle of an earlier recording may have been removed already (tchmem_ops_remove);
         // removing it again is nothing to libtorch.
@@ -416,6 +450,7 @@ int tchmem_ops_start(int with_cuda, int device_index, void* log, uint64_t* callb
         cuda.store(with_cuda != 0);
         device.store(static_cast<c10::DeviceIndex>(device_index));
         current = Recording{};
+        recording_thread = std::this_thread::get_id();
         *callback = *handle;
         alloc_log.store(with_cuda != 0 ? static_cast<tchmem::AllocLog*>(log) : nullptr);
         active.store(true);
@@ -512,8 +547,14 @@ int tchmem_ops_replay(const void* first, const void* second, int64_t b1, int64_t
             int64_t value = -1;
             std::vector<int64_t> allocated;
             try {
-              value = replay_one(o1, o2, b1, b2, target, with_cuda != 0, on, allocations,
-                                 allocated);
+              auto replay = [&] {
+                value = replay_one(o1, o2, b1, b2, target, with_cuda != 0, on, allocations,
+                                   allocated);
+              };
+              if (with_cuda != 0 && o1.off_recording_thread)
+                on_autograd_thread(on, replay);
+              else
+                replay();
             } catch (const std::exception&) {
               value = -1;
               allocated.clear();
