@@ -200,6 +200,10 @@ pub enum CacheSource {
     /// (see [`super::allocator::SegmentOrder`]); the point lies between the two orders' peaks,
     /// off by the same fraction whichever comes true.
     RulesSegmentOrder,
+    /// The rules, as a range: both orders give one peak, but new segments placed between
+    /// others give other peaks (see [`super::allocator::SegmentOrder::Scattered`]); the range
+    /// spans those placements and the point is the orders' peak.
+    RulesSegmentPlacement,
 }
 
 impl Prediction {
@@ -628,7 +632,8 @@ impl Calibration {
     /// plain step's replay missed resnet18's `--accumulate 2` by 18%, this one is within 0.5%,
     /// `results/gpu/2026-12-05-accumulate/`); else the cache's share of the loop's peak. Where
     /// the model missed the larger trial's own peak, the same miss scaled to here bounds a
-    /// range; so does the other segment order, where it gives another peak.
+    /// range; so does the other segment order, where it gives another peak, and where the two
+    /// orders agree, new segments scattered among the old (the point stays the orders').
     fn cache_at(&self, micro: u64, accumulate: u64, peak_allocated: u64, loop_peak: u64) -> Cache {
         let parameters = self
             .points
@@ -637,13 +642,13 @@ impl Calibration {
         let micro_batches = (accumulate > 1).then_some((parameters, accumulate));
         let simulated = ReservedLines::of(&self.points)
             .and_then(|lines| {
-                let peaks = lines.peak_reserved(micro, self.replayed.as_ref(), micro_batches)?;
+                let peaks = lines.peaks(micro, self.replayed.as_ref(), micro_batches)?;
                 Some((lines, peaks))
             })
-            .map(|(lines, (reserved, other_order))| {
-                let reserved = reserved as f64;
+            .map(|(lines, peaks)| {
+                let reserved = peaks.first as f64;
                 let missed = lines.model_missed().map(|ratio| reserved * ratio);
-                let other_order = Some(other_order as f64).filter(|&b| b != reserved);
+                let other_order = Some(peaks.other as f64).filter(|&b| b != reserved);
                 let ends = [missed, other_order].into_iter().flatten();
                 let floor = peak_allocated as f64;
                 let low = ends.clone().fold(reserved, f64::min).max(floor);
@@ -656,15 +661,26 @@ impl Calibration {
                 // as the point was within 10% in 25 of the 30, this point in 30, and in 12 of 12
                 // in the next round (`scripts/gpu/analysis/reserved_points.py`,
                 // `results/gpu/2026-12-06-reserved-middle/`).
+                // Where the orders agree, placements between the old segments may not: their
+                // spread is the range then (the point stays the orders' peak). Where the orders
+                // already disagree, their range and its point stand as they are.
+                let (least, most) = (peaks.placements.0 as f64, peaks.placements.1 as f64);
+                let scattered = least.max(floor) < low || most > high;
                 let source = match (missed, other_order) {
                     (Some(_), _) => CacheSource::RulesMissedTrial,
                     (None, Some(_)) => CacheSource::RulesSegmentOrder,
+                    (None, None) if scattered => CacheSource::RulesSegmentPlacement,
                     (None, None) => CacheSource::Rules,
                 };
                 let point = if source == CacheSource::RulesSegmentOrder {
                     between(low, high)
                 } else {
                     reserved.max(floor)
+                };
+                let (low, high) = if source == CacheSource::RulesSegmentPlacement {
+                    (least.max(floor), most.max(floor))
+                } else {
+                    (low, high)
                 };
                 Cache {
                     point: point - floor,
@@ -738,6 +754,12 @@ impl Cache {
                 "{BY_RULES}; which cached block is reused depends on where the device puts new \
                  segments, and at this batch that changes the peak: peak reserved is a range, \
                  and this row is its point between the two ends"
+            ),
+            CacheSource::RulesSegmentPlacement => format!(
+                "{BY_RULES}; which cached block is reused depends on where the device puts new \
+                 segments, and placed between the old ones they change the peak at this batch: \
+                 peak reserved is a range, and this row is its point with new segments above or \
+                 below the old"
             ),
             CacheSource::Rules => BY_RULES.to_string(),
             CacheSource::Scaled if self.spread(allocated).is_some() => {
@@ -1505,5 +1527,38 @@ pub(crate) mod tests {
             error(low, measured) < 0.02 && error(high, measured) > -0.02,
             "{low}-{high}: {measured}"
         );
+    }
+
+    #[test]
+    fn where_new_segments_between_the_old_change_the_peak_reserved_is_a_range_from_the_orders() {
+        // resnet18 on an H100 at 128 (`results/gpu/2026-12-06-threads-keys/study/`): both orders
+        // give 628 MiB, the run checked reserved 772 MiB (a placement between the old segments
+        // gives it; four other runs of the same requests reserved 628).
+        use crate::fit::reserved::tests::{point, recorded_at, replayed_at};
+        let dir = "2026-12-06-threads-keys/study";
+        let trial = |name: &str| recorded_at(&format!("{dir}/resnet18-{name}"));
+        let truth = trial("128");
+        let rule = OptimizerRule::Sgd { momentum: true };
+        let calibration = Calibration {
+            points: vec![point(&trial("32")), point(&trial("64"))],
+            rule,
+            gradients_in_backward: false,
+            replayed: Some(replayed_at(&format!("{dir}/resnet18-replay-128"))),
+        };
+        let scenario = Scenario {
+            batch: 128,
+            accumulate: 1,
+            rule,
+            begin: truth.begin_allocated,
+            zero_ranks: None,
+        };
+        let prediction = calibration.predict(&scenario).unwrap();
+        assert_eq!(prediction.cache_source, CacheSource::RulesSegmentPlacement);
+        const MIB: u64 = 1 << 20;
+        assert_eq!(prediction.peak_reserved, 628 * MIB);
+        let (low, high) = prediction.reserved_spread.unwrap();
+        assert_eq!((low, high), (628 * MIB, truth.peak_reserved));
+        let how = &prediction.categories.last().unwrap().how;
+        assert!(how.contains("placed between the old ones"), "{how}");
     }
 }

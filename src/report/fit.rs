@@ -325,6 +325,7 @@ fn range_reason(source: CacheSource) -> &'static str {
         CacheSource::Scaled | CacheSource::Rules => "trials_disagree",
         CacheSource::RulesMissedTrial => "rules_missed_trial",
         CacheSource::RulesSegmentOrder => "segment_order",
+        CacheSource::RulesSegmentPlacement => "segment_placement",
     }
 }
 
@@ -366,6 +367,11 @@ fn prediction_lines(prediction: &Prediction) -> String {
              segments, unknown ahead, and at this batch that changes the peak: a run's peak \
              usually lands near one end or the other, and the point is off by the same percentage \
              whichever it takes"
+        }
+        CacheSource::RulesSegmentPlacement => {
+            "which cached block the allocator reuses depends on where the device puts new \
+             segments, unknown ahead: above or below the old ones they give the point, placed \
+             between them another peak, which a run may take"
         }
         CacheSource::Scaled | CacheSource::Rules => {
             "the calibration trials' caches disagree (the allocator's segments did not grow with \
@@ -1182,6 +1188,10 @@ mod tests {
                 "where the device puts new segments, unknown ahead, and at this batch that \
                  changes the peak: a run's peak usually lands near one end or the other, and the \
                  point is off by the same percentage whichever it takes",
+            ),
+            (
+                CacheSource::RulesSegmentPlacement,
+                "placed between them another peak, which a run may take",
             ),
         ] {
             let ranged = Prediction {

@@ -22,11 +22,13 @@ from estimate_checks import checks  # this folder's: the checks of a notebook
 # The verdict's reason for the range (src/report/fit.rs, `why_reserved`), for runs whose JSON
 # did not name it yet.
 WHY = {
+    "placed between them another peak": "segment placement",
     "where the device puts new segments": "segment order",
     "rules missed the larger calibration trial": "rules missed the trial",
     "calibration trials' caches disagree": "trials disagree",
 }
-WHY_NAMES = {"segment_order": "segment order", "rules_missed_trial": "rules missed the trial",
+WHY_NAMES = {"segment_order": "segment order", "segment_placement": "segment placement",
+             "rules_missed_trial": "rules missed the trial",
              "trials_disagree": "trials disagree"}
 POINTS = ("point", "middle", "balanced", "high")
 
