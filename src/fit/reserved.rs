@@ -136,10 +136,23 @@ impl<'a> ReservedLines<'a> {
         }
         let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
         // Past the diff's deadline the trials keep the cache's share.
-        let (pairs, finished) =
+        let (mut pairs, finished) =
             edit_script::pairs(&small.lifetimes, &large.lifetimes, Runs::EqualAndSameLength);
         if !finished {
             return None;
+        }
+        // A pair of other lifetimes (a replaced run, paired in order) stands only where its sizes
+        // say twins: on an H100 mnist_conv's trials at 128 and 256 paired an 18 MiB activation
+        // with an 8.2 MiB workspace where the two requests had changed places, and its line said
+        // 37.7 MiB at 512 for 36 (`results/gpu/2026-12-06-threads-keys/`). Unpaired, a request
+        // grows in proportion to the batch.
+        for (j, pair) in pairs.iter_mut().enumerate() {
+            if let Some(i) = *pair {
+                let same_lifetime = small.lifetimes[i] == large.lifetimes[j];
+                if !same_lifetime && !twins(small.sizes[i], large.sizes[j], *b1, *b2) {
+                    *pair = None;
+                }
+            }
         }
         let mut lines = ReservedLines {
             small,
@@ -359,6 +372,13 @@ impl<'a> ReservedLines<'a> {
             None => Some(events),
         }
     }
+}
+
+/// Whether a request of `small` bytes at batch `b1` and one of `large` bytes at `b2` look like
+/// one request: the same size, or sizes in the batches' ratio (within 2%).
+fn twins(small: u64, large: u64, b1: u64, b2: u64) -> bool {
+    let in_ratio = (large as f64 * b1 as f64) / (small.max(1) as f64 * b2 as f64);
+    small == large || (in_ratio - 1.0).abs() <= 0.02
 }
 
 /// The peak reserved at a batch by the allocator's rules (see [`ReservedLines::peaks`]).
@@ -822,6 +842,30 @@ pub(crate) mod tests {
                 "{measured}: {scattered:?}"
             );
         }
+    }
+
+    #[test]
+    fn requests_of_other_lifetimes_pair_only_where_their_sizes_say_twins() {
+        // mnist_conv under cuDNN's benchmark mode on an H100 (`results/gpu/2026-12-06-threads-keys/`,
+        // its `study/`): in the trials' later steps a workspace and an activation changed places,
+        // and paired in order the 18 MiB activation at 256 took the 8.2 MiB workspace at 128 as
+        // its twin: 37.7 MiB at 512 for 36, and the peak reserved 12.8% high.
+        let dir = "2026-12-06-threads-keys/study";
+        let [small, large, truth] =
+            [128, 256, 512].map(|b| recorded_at(&format!("{dir}/mnist_conv_benchmark-{b}")));
+        let points = [point(&small), point(&large)];
+        let lines = ReservedLines::of(&points).unwrap();
+        let (predicted, other) = lines.peak_reserved(512, None, None).unwrap();
+        for peak in [predicted, other] {
+            assert!(
+                error(peak, truth.peak_reserved).abs() < 0.01,
+                "{peak} {}",
+                truth.peak_reserved
+            );
+        }
+        assert!(twins(9216 << 10, 18432 << 10, 128, 256));
+        assert!(twins(200 << 10, 200 << 10, 128, 256));
+        assert!(!twins(8352 << 10, 18432 << 10, 128, 256));
     }
 
     /// A replay's study file under `results/gpu/` (without `.json`), as the kernel keeps it.
