@@ -32,15 +32,14 @@
 #include "error.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
-#include <atomic>
-#include <cstdint>
-#include <optional>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
-#include <exception>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>

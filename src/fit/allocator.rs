@@ -13,7 +13,7 @@
 //!
 //! One thing the rules cannot know: of free blocks of one size the allocator takes the lowest
 //! address, and where the device puts a new segment among the old ones is the device's choice
-//! ([`SegmentOrder`]); the model replays either order, and new segments scattered among the old.
+//! ([`SegmentOrder`]); the model replays either order, and new segments at seeded places.
 //!
 //! Checked against the allocator on the H200: replaying the recorded events of 36 trials
 //! (resnet18, two VGG-style nets and a GRU, fp32 and bf16, 16 to 512 samples), the measured
@@ -48,11 +48,12 @@ pub enum SegmentOrder {
     NewAbove,
     /// Each new segment below all before it.
     NewBelow,
-    /// Each new segment at a place drawn from this seed: below, between or above those before
-    /// it. On an H100 one resnet18 trial's events gave 628 MiB in both orders and 772 MiB with
-    /// some seeds, and the device measured 772 MiB in one of its five runs of those events; two
-    /// runs of a VGG's events measured 1192 and 1294 MiB, where the orders give 1228 and 1258
-    /// and seeds give all four (`results/gpu/2026-12-06-threads-keys/`).
+    /// Each new segment at a place drawn from this seed: below or above the segments held at
+    /// the start (which stay together, in their order), and anywhere among the new ones. On an
+    /// H100 five runs of the same resnet18 requests reserved 628 MiB in four and 772 MiB in
+    /// one, where both orders give 628 and some seeds 772; seven runs of the same VGG requests
+    /// reserved 1192 MiB in five and 1294 MiB in two, where the orders give 1228 and 1258 and
+    /// seeds give both measured peaks (`results/gpu/2026-12-06-threads-keys/`).
     Scattered(u64),
 }
 
@@ -111,7 +112,8 @@ pub struct CachingAllocator {
     below: u64,
     reserved: u64,
     peak_reserved: u64,
-    /// For [`SegmentOrder::Scattered`]: the draws, and the places taken.
+    /// For [`SegmentOrder::Scattered`]: its draws (made at the first new segment), and the
+    /// places taken.
     draws: Option<fastrand::Rng>,
     places: HashSet<u64>,
 }
@@ -127,9 +129,6 @@ impl CachingAllocator {
             order,
             ..CachingAllocator::default()
         };
-        if let SegmentOrder::Scattered(seed) = order {
-            allocator.draws = Some(fastrand::Rng::with_seed(seed));
-        }
         let mut in_use = Vec::new();
         for segment in segments {
             let total: u64 = segment.blocks.iter().map(|(size, _)| size).sum();
@@ -279,12 +278,17 @@ impl CachingAllocator {
     }
 
     /// A place not taken among 2^20 of 2^40 bytes each, around the segments held at the start
-    /// (which lie above `HELD_BASE` in the first of them): apart from every other segment.
+    /// (which lie in the middle one, from `HELD_BASE` up): apart from every other segment. The
+    /// draws follow the seed of [`SegmentOrder::Scattered`].
     fn scattered(&mut self) -> u64 {
         const PLACES: u64 = 1 << 20;
+        let seed = match self.order {
+            SegmentOrder::Scattered(seed) => seed,
+            SegmentOrder::NewAbove | SegmentOrder::NewBelow => 0,
+        };
         let draws = self
             .draws
-            .get_or_insert_with(|| fastrand::Rng::with_seed(0));
+            .get_or_insert_with(|| fastrand::Rng::with_seed(seed));
         loop {
             let place = draws.u64(0..PLACES);
             if self.places.insert(place) {

@@ -323,9 +323,11 @@ impl<'a> ReservedLines<'a> {
 
     /// The peak reserved bytes at `micro`: the larger trial's events at the sizes predicted
     /// there, from the segments it began with, new segments in the order that reproduced the
-    /// trial; in the other order; and the least and most over both orders and [`PLACEMENTS`]
-    /// seeded placements of new segments among the old ([`SegmentOrder::Scattered`]), which the
-    /// device may take as well. With `micro_batches` (the model's parameters and how many
+    /// trial; in the other order; and the least and most over both orders and, where the two
+    /// agree, [`PLACEMENTS`] seeded placements of new segments among the old
+    /// ([`SegmentOrder::Scattered`]), which the device may take as well (where the orders
+    /// disagree, the estimate's range is theirs, and the placements are not tried). With
+    /// `micro_batches` (the model's parameters and how many
     /// micro-batches make a step), the recorded step is replayed as a loop that accumulates runs
     /// it (see [`accumulated::micro_batched`]); `None` where it cannot be.
     pub fn peaks(
@@ -338,15 +340,18 @@ impl<'a> ReservedLines<'a> {
         let segments = &self.large.trace.segments;
         let replay = |order| allocator::peak_reserved(segments, events.iter().copied(), order);
         let (first, other) = (replay(self.order), replay(self.order.other()));
-        let scattered = (1..=PLACEMENTS).map(|seed| replay(SegmentOrder::Scattered(seed)));
-        let all: Vec<u64> = [first, other].into_iter().chain(scattered).collect();
+        let orders = (first.min(other), first.max(other));
+        let placements = if first == other {
+            (1..=PLACEMENTS)
+                .map(|seed| replay(SegmentOrder::Scattered(seed)))
+                .fold(orders, |(least, most), b| (least.min(b), most.max(b)))
+        } else {
+            orders
+        };
         Some(ReservedPeaks {
             first,
             other,
-            placements: (
-                all.iter().copied().min().unwrap_or(first),
-                all.iter().copied().max().unwrap_or(first),
-            ),
+            placements,
         })
     }
 
@@ -388,7 +393,8 @@ pub struct ReservedPeaks {
     pub first: u64,
     /// In the other order.
     pub other: u64,
-    /// The least and the most over both orders and the scattered placements.
+    /// The least and the most over both orders and, where they agree, the scattered
+    /// placements.
     pub placements: (u64, u64),
 }
 
@@ -804,14 +810,19 @@ pub(crate) mod tests {
         // of one loop at 128 made the same requests; four reserved 628 MiB at their peak and
         // one 772 MiB. Both orders give 628; some placements between the old segments, 772.
         let dir = "2026-12-06-threads-keys/study";
+        // A trial's own events: their peaks in both orders, and with each seed's placements.
+        let peaks_of = |r: &Recorded| {
+            let peak =
+                |order| allocator::peak_reserved(&r.trace.segments, r.trace.decoded(), order);
+            let scattered: Vec<u64> = (1..=PLACEMENTS)
+                .map(|seed| peak(SegmentOrder::Scattered(seed)))
+                .collect();
+            (SegmentOrder::BOTH.map(peak), scattered)
+        };
         let check = recorded_at(&format!("{dir}/resnet18-128"));
-        let peak =
-            |order| allocator::peak_reserved(&check.trace.segments, check.trace.decoded(), order);
         assert_eq!(check.peak_reserved, 772 * MIB);
-        assert_eq!(SegmentOrder::BOTH.map(peak), [628 * MIB; 2]);
-        let scattered: Vec<u64> = (1..=PLACEMENTS)
-            .map(|seed| peak(SegmentOrder::Scattered(seed)))
-            .collect();
+        let (by_order, scattered) = peaks_of(&check);
+        assert_eq!(by_order, [628 * MIB; 2]);
         assert!(scattered.contains(&(772 * MIB)), "{scattered:?}");
         assert!(scattered.iter().all(|&b| b == 628 * MIB || b == 772 * MIB));
 
@@ -827,15 +838,11 @@ pub(crate) mod tests {
         assert_eq!(peaks.placements, (628 * MIB, 772 * MIB));
 
         // A VGG-style net under cuDNN's benchmark mode at 64: runs of the same requests measured
-        // 1192 MiB (five) and 1294 MiB (two); the orders give 1228 and 1258, placements all four.
+        // 1192 MiB (five) and 1294 MiB (two); the orders give 1228 and 1258, placements both.
         let vgg = recorded_at(&format!("{dir}/vgg_benchmark-64"));
         assert_eq!(vgg.peak_reserved, 1294 * MIB);
-        let peak =
-            |order| allocator::peak_reserved(&vgg.trace.segments, vgg.trace.decoded(), order);
-        assert_eq!(SegmentOrder::BOTH.map(peak), [1228 * MIB, 1258 * MIB]);
-        let scattered: Vec<u64> = (1..=PLACEMENTS)
-            .map(|seed| peak(SegmentOrder::Scattered(seed)))
-            .collect();
+        let (by_order, scattered) = peaks_of(&vgg);
+        assert_eq!(by_order, [1228 * MIB, 1258 * MIB]);
         for measured in [1192, 1294] {
             assert!(
                 scattered.contains(&(measured * MIB)),
