@@ -18,6 +18,7 @@ pub mod diagnosis;
 pub mod edit_script;
 pub mod estimate;
 pub mod op_peak;
+pub mod request_pairs;
 pub mod reserved;
 pub mod search;
 pub mod trial;

@@ -20,8 +20,8 @@ use tchmem_wire::estimate::ParamShape;
 
 use super::accumulated;
 use super::allocator::{self, SegmentOrder};
-use super::edit_script::{self, Runs};
 use super::op_peak::Replayed;
+use super::request_pairs;
 use super::trial::Measured;
 
 /// Below this share of the larger trial's requests lined up, the trials are not the same loop
@@ -85,6 +85,15 @@ impl<'a> Requests<'a> {
         }
     }
 
+    /// The sizes and lifetimes to line up with another trial's.
+    fn as_trial(&self) -> request_pairs::Trial<'_> {
+        request_pairs::Trial {
+            batch: self.batch,
+            sizes: &self.sizes,
+            lifetimes: &self.lifetimes,
+        }
+    }
+
     /// The first request of the recorded step (its first operator's mark); all of them
     /// without marks.
     fn recorded_step_start(&self) -> usize {
@@ -136,24 +145,7 @@ impl<'a> ReservedLines<'a> {
         }
         let (small, large) = (Requests::of(*b1, t1), Requests::of(*b2, t2));
         // Past the diff's deadline the trials keep the cache's share.
-        let (mut pairs, finished) =
-            edit_script::pairs(&small.lifetimes, &large.lifetimes, Runs::EqualAndSameLength);
-        if !finished {
-            return None;
-        }
-        // A pair of other lifetimes (a replaced run, paired in order) stands only where its sizes
-        // say twins: on an H100 mnist_conv's trials at 128 and 256 paired an 18 MiB activation
-        // with an 8.2 MiB workspace where the two requests had changed places, and its line said
-        // 37.7 MiB at 512 for 36 (`results/gpu/2026-12-06-threads-keys/`). Unpaired, a request
-        // grows in proportion to the batch.
-        for (j, pair) in pairs.iter_mut().enumerate() {
-            if let Some(i) = *pair {
-                let same_lifetime = small.lifetimes[i] == large.lifetimes[j];
-                if !same_lifetime && !twins(small.sizes[i], large.sizes[j], *b1, *b2) {
-                    *pair = None;
-                }
-            }
-        }
+        let pairs = request_pairs::line_up(small.as_trial(), large.as_trial())?;
         let mut lines = ReservedLines {
             small,
             large,
@@ -379,13 +371,6 @@ impl<'a> ReservedLines<'a> {
     }
 }
 
-/// Whether a request of `small` bytes at batch `b1` and one of `large` bytes at `b2` look like
-/// one request: the same size, or sizes in the batches' ratio (within 2%).
-fn twins(small: u64, large: u64, b1: u64, b2: u64) -> bool {
-    let in_ratio = (large as f64 * b1 as f64) / (small.max(1) as f64 * b2 as f64);
-    small == large || (in_ratio - 1.0).abs() <= 0.02
-}
-
 /// The peak reserved at a batch by the allocator's rules (see [`ReservedLines::peaks`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReservedPeaks {
@@ -432,6 +417,7 @@ fn matched(lines: &[u64], replayed: &[u64]) -> Vec<u64> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::request_pairs::twins;
     use super::*;
     use tchmem_wire::alloc_trace::Segment;
 
@@ -856,16 +842,20 @@ pub(crate) mod tests {
         // mnist_conv under cuDNN's benchmark mode on an H100 (`results/gpu/2026-12-06-threads-keys/`,
         // its `study/`): in the trials' later steps a workspace and an activation changed places,
         // and paired in order the 18 MiB activation at 256 took the 8.2 MiB workspace at 128 as
-        // its twin: 37.7 MiB at 512 for 36, and the peak reserved 12.8% high.
+        // its twin: 37.7 MiB at 512 for 36, and the peak reserved 12.8% high. Lined up by their
+        // sizes, every request is on its line, and the replay gives what the model gives from the
+        // trial at 512's own requests (278 MiB, 4 MiB under the measured: the model's own miss).
         let dir = "2026-12-06-threads-keys/study";
         let [small, large, truth] =
             [128, 256, 512].map(|b| recorded_at(&format!("{dir}/mnist_conv_benchmark-{b}")));
         let points = [point(&small), point(&large)];
         let lines = ReservedLines::of(&points).unwrap();
         let (predicted, other) = lines.peak_reserved(512, None, None).unwrap();
-        for peak in [predicted, other] {
+        for (peak, order) in [(predicted, lines.order), (other, lines.order.other())] {
+            let own = allocator::peak_reserved(&truth.trace.segments, truth.trace.decoded(), order);
+            assert_eq!(peak, own);
             assert!(
-                error(peak, truth.peak_reserved).abs() < 0.01,
+                error(peak, truth.peak_reserved).abs() < 0.015,
                 "{peak} {}",
                 truth.peak_reserved
             );
@@ -873,6 +863,26 @@ pub(crate) mod tests {
         assert!(twins(9216 << 10, 18432 << 10, 128, 256));
         assert!(twins(200 << 10, 200 << 10, 128, 256));
         assert!(!twins(8352 << 10, 18432 << 10, 128, 256));
+    }
+
+    #[test]
+    fn a_request_one_trial_alone_made_leaves_its_neighbours_on_their_lines() {
+        // mnist_conv under benchmark mode, its trials at 32 and 64 (the same run): the trial at 64
+        // made a 4-byte request the one at 32 did not, and the lifetimes alone paired a 4 MiB
+        // request with a 4 KiB one. The lines then said 8 MiB at 128 for a request that stays
+        // 4 MiB, and the peak reserved 152 MiB for the 132 the check measured (+15.2%).
+        let dir = "2026-12-06-threads-keys/study";
+        let [small, large, truth] =
+            [32, 64, 128].map(|b| recorded_at(&format!("{dir}/mnist_conv_benchmark-{b}")));
+        let points = [point(&small), point(&large)];
+        let (predicted, other) = ReservedLines::of(&points)
+            .unwrap()
+            .peak_reserved(128, None, None)
+            .unwrap();
+        assert_eq!(
+            (predicted, other),
+            (truth.peak_reserved, truth.peak_reserved)
+        );
     }
 
     /// A replay's study file under `results/gpu/` (without `.json`), as the kernel keeps it.
