@@ -268,6 +268,10 @@ pub struct StepTime {
     /// profiled steps, where each trial profiled one. No step is faster, so it is the point
     /// where it is above the wall time's line (launch-bound trials hide how the work grows).
     pub gpu_work: Option<f64>,
+    /// Whether the step runs several micro-batches back to back (`--accumulate`): the range
+    /// then reaches down to the GPU's work (where the host did not bound the trials) and up to
+    /// as many steps as the trials ran them (see [`Calibration`]'s `step_time`).
+    pub accumulated: bool,
 }
 
 impl StepTime {
@@ -480,6 +484,17 @@ impl Calibration {
     /// larger trial where the loop marked it; at most the plain step's lower end). On an H100
     /// `accumulate` plain steps overshot every corpus family's `--accumulate 2` check, by up to
     /// 51% (char_rnn: 27.0 ms for 17.9 ms; `results/gpu/2026-12-05-accumulate/`).
+    ///
+    /// The range is wider than the plain step's. The micro-batch is often a calibration
+    /// batch, where a trial's two timed steps agree and the plain range is a point, and the
+    /// micro-batches run back to back, where the trials waited for the GPU after each step:
+    /// so the host launches the next one while the GPU works, and where the host did not
+    /// bound the trials a step may take as little as the GPU's work. Up to as many steps as
+    /// the trials ran them, each with its optimizer step: the rewrite splits the batch and
+    /// scales the loss, which on the H100 cost about what the skipped optimizer steps save
+    /// (the transformers' checks 2-6% over the point). Of the 31 `--accumulate 2` checks of
+    /// 2026-12-06 on an H100 whose trials the host did not bound, the range before held 3
+    /// (`scripts/gpu/analysis/step_times.py results/gpu/2026-12-06-*/`).
     fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
         let (seconds, mut time) = self.micro_step_time(micro);
         if accumulate == 1 {
@@ -493,9 +508,14 @@ impl Calibration {
             .min(time.low);
         let k = accumulate as f64;
         let added = |one: f64| k * one - (k - 1.0) * once;
-        time.low = added(time.low);
-        time.high = added(time.high);
-        time.gpu_work = time.gpu_work.map(|work| added(work).max(work));
+        let gpu_work = time.gpu_work.map(|work| added(work).max(work));
+        time.low = match gpu_work {
+            Some(work) if !time.host_bound => added(time.low).min(work),
+            _ => added(time.low),
+        };
+        time.high *= k;
+        time.gpu_work = gpu_work;
+        time.accumulated = true;
         (added(seconds), time)
     }
 
@@ -562,6 +582,7 @@ impl Calibration {
             host_bound: false,
             past_the_trials: false,
             gpu_work,
+            accumulated: false,
         };
         // Said only where it shows: a range the proportional step widened.
         step_time.past_the_trials = proportional > high && step_time.is_range();
@@ -611,6 +632,7 @@ impl Calibration {
             host_bound: true,
             past_the_trials: false,
             gpu_work,
+            accumulated: false,
         };
         Some((point, step_time))
     }
@@ -1338,6 +1360,48 @@ pub(crate) mod tests {
             .predict(&scenario(32, 2, OptimizerRule::Adam))
             .unwrap();
         assert!(capped.step_seconds >= 0.042, "{capped:?}");
+    }
+
+    #[test]
+    fn micro_batches_back_to_back_range_from_the_gpus_work_to_the_trials_steps() {
+        // resnet18 on the H100 (results/gpu/2026-12-06-threads-keys/run3): its trials took
+        // 6.4 and 7.1 ms at 64 and 128, their GPU working 3.0 and 4.8 ms; two micro-batches of
+        // 128 took 12.3 ms, where the range from the trials' steps alone (each two steps alike)
+        // was 12.9-13.5 ms.
+        let mut calibration = calibrated(&[64, 128]);
+        profile_trials(&mut calibration, [(0.0064, 0.0030), (0.0071, 0.0048)]);
+        calibration.points[1].1.optimizer_step_seconds = Some(0.001);
+        let prediction = calibration
+            .predict(&scenario(256, 2, OptimizerRule::Adam))
+            .unwrap();
+        let time = prediction.step_time;
+        assert!(time.accumulated && !time.host_bound, "{time:?}");
+        assert!(
+            (prediction.step_seconds - 0.0132).abs() < 1e-9,
+            "{prediction:?}"
+        );
+        // From the two micro-batches' GPU work, less the optimizer step's once...
+        assert!((time.low - 0.0086).abs() < 1e-9, "{time:?}");
+        // ...to two steps as the trials ran them.
+        assert!((time.high - 0.0142).abs() < 1e-9, "{time:?}");
+        assert!(time.low < 0.0123 && 0.0123 < time.high, "{time:?}");
+        // Where the host bound the trials, its time stays the lower end.
+        profile_trials(&mut calibration, [(0.0064, 0.0010), (0.0071, 0.0012)]);
+        let host_bound = calibration
+            .predict(&scenario(256, 2, OptimizerRule::Adam))
+            .unwrap()
+            .step_time;
+        assert!(
+            host_bound.host_bound && host_bound.accumulated,
+            "{host_bound:?}"
+        );
+        assert!(host_bound.low > 0.0086, "{host_bound:?}");
+        // A plain step is as before.
+        let plain = calibration
+            .predict(&scenario(128, 1, OptimizerRule::Adam))
+            .unwrap()
+            .step_time;
+        assert!(!plain.accumulated, "{plain:?}");
     }
 
     #[test]

@@ -357,6 +357,19 @@ fn prediction_lines(prediction: &Prediction) -> String {
     } else {
         ""
     };
+    // Micro-batches run back to back, where each trial's step waited for the GPU.
+    let back_to_back = match (step_time.accumulated, step_time.host_bound) {
+        (false, _) => "",
+        (true, false) => {
+            "; with micro-batches back to back (the trials waited for the GPU after each step), \
+             from the GPU's work, as the host launches ahead, to as many steps as the trials \
+             ran them"
+        }
+        (true, true) => {
+            "; with micro-batches, up to as many steps as the trials ran them, each with its \
+             optimizer step"
+        }
+    };
     let why_reserved = match prediction.cache_source {
         CacheSource::RulesMissedTrial => {
             "the allocator's rules missed the larger calibration trial's own peak reserved, in \
@@ -389,7 +402,7 @@ fn prediction_lines(prediction: &Prediction) -> String {
             )
         });
     format!(
-        "predicted step time {predicted_step} (micro-batch {}){why_range}{}{reserved_range}",
+        "predicted step time {predicted_step} (micro-batch {}){why_range}{back_to_back}{}{reserved_range}",
         prediction.micro_batch,
         gpu_work_line(prediction)
     )
@@ -1150,6 +1163,7 @@ mod tests {
                 host_bound: false,
                 past_the_trials: false,
                 gpu_work: None,
+                accumulated: false,
             },
             step_seconds: 0.030,
             ..prediction.clone()
@@ -1176,6 +1190,26 @@ mod tests {
             "{text}"
         );
         assert!(!prediction_lines(&ranged_step).contains("bound by the host"));
+        // Micro-batches back to back say why their range reaches down to the GPU's work, unless
+        // the host bound the trials.
+        let accumulated = |host_bound: bool| Prediction {
+            step_time: crate::fit::estimate::StepTime {
+                accumulated: true,
+                host_bound,
+                ..ranged_step.step_time
+            },
+            ..ranged_step.clone()
+        };
+        let text = prediction_lines(&accumulated(false));
+        assert!(text.contains("with micro-batches back to back"), "{text}");
+        assert!(text.contains("from the GPU's work"), "{text}");
+        let text = prediction_lines(&accumulated(true));
+        assert!(
+            text.contains("; with micro-batches, up to as many steps"),
+            "{text}"
+        );
+        assert!(!text.contains("from the GPU's work"), "{text}");
+        assert!(!prediction_lines(&ranged_step).contains("micro-batches"));
 
         // A range from the allocator's rules says which of their reasons made it.
         for (source, why) in [

@@ -49,7 +49,8 @@ def host_bound_points(trials, micro, accumulate):
 def checks(notebook):
     """(configuration, predicted point, low, high, measured, GPU work or None, host-bound or
     None, the host-bound points from the trials' table or None, whether an optimizer swap was
-    calibrated on the cell's optimizer), in ms, of each checked estimate."""
+    calibrated on the cell's optimizer, the kernel's own host-bound flag or None), in ms, of
+    each checked estimate."""
     for cell in json.load(open(notebook))["cells"]:
         for output in cell.get("outputs", []):
             e = output.get("data", {}).get(ESTIMATE)
@@ -67,7 +68,8 @@ def checks(notebook):
                        bound,
                        host_bound_points(trials, e["micro_batch"], int(accumulate[1]) if accumulate else 1)
                        if bound else None,
-                       "--optimizer" in e["what"] and bool(AS_WRITTEN_TRIAL.search(text)))
+                       "--optimizer" in e["what"] and bool(AS_WRITTEN_TRIAL.search(text)),
+                       e.get("host_bound"))
 
 
 def within(checks):
@@ -115,6 +117,16 @@ def main(folders):
               f"more), of the work plus the least idle time "
               f"{statistics.median(error(c[6]['sum'], c) for c in hosted):.0%} (within 20% in "
               f"{sum(error(c[6]['sum'], c) <= 0.2 for c in long)})")
+    # Micro-batches run back to back: how often the stated range (no slack) held the step, by
+    # whether the kernel found the trials bound by the host.
+    accumulated = [c for (_, what), runs in by.items() if "--accumulate" in what for c in runs]
+    if accumulated:
+        exact = lambda checks: sum(c[1] <= c[3] <= c[2] for c in checks)
+        hosted = [c for c in accumulated if c[8]]
+        others = [c for c in accumulated if not c[8]]
+        print(f"  {len(accumulated)} --accumulate checks: the stated range (no slack) held the "
+              f"step in {exact(others)} of {len(others)} whose trials the host did not bound, "
+              f"{exact(hosted)} of {len(hosted)} bound by it")
     print(f"{'model':<12} {'configuration':<44} {'n':>2} {'measured ms':>15} {'spread':>7} "
           f"{'predicted points':>17} {'spread':>7}")
     for (model, what), runs in sorted(by.items()):
