@@ -268,20 +268,36 @@ pub struct StepTime {
     /// profiled steps, where each trial profiled one. No step is faster, so it is the point
     /// where it is above the wall time's line (launch-bound trials hide how the work grows).
     pub gpu_work: Option<f64>,
-    /// Whether the step runs several micro-batches back to back (`--accumulate`): the range
-    /// then reaches down to the GPU's work (where the host did not bound the trials) and up to
-    /// as many steps as the trials ran them (see [`Calibration`]'s `step_time`).
-    pub accumulated: bool,
+    /// Whether the step runs several micro-batches back to back (`--accumulate`), and where
+    /// its range's lower end comes from.
+    pub micro_batches: MicroBatches,
+}
+
+/// A step of one micro-batch or of several back to back (`--accumulate`). Several reach up to as
+/// many steps as the trials ran them (see `Calibration::step_time`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MicroBatches {
+    /// A plain step.
+    #[default]
+    One,
+    /// Several, the lower end the GPU's work in them: the host launches the next while the GPU
+    /// works, and the trials were not bound by the host.
+    DownToGpuWork,
+    /// Several, the lower end from the trials' steps: trials bound by the host or with no
+    /// profiled step, or whose steps already came under the work.
+    FromTrialSteps,
 }
 
 impl StepTime {
     /// Whether the prediction is a range rather than a number: a short, launch-bound or
-    /// host-bound step, or trials whose steps varied by more than a quarter.
+    /// host-bound step, trials whose steps varied by more than a quarter, or micro-batches
+    /// back to back whose ends differ.
     pub fn is_range(&self) -> bool {
         self.launch_bound
             || self.host_bound
             || self.low < SHORT_STEP_SECONDS
             || self.high > self.low * 1.25
+            || (self.micro_batches != MicroBatches::One && self.high > self.low * 1.02)
     }
 
     /// "12.0-30.5 ms", "about 10.2 ms" for a range the trials did not widen, "23.1 ms
@@ -485,16 +501,11 @@ impl Calibration {
     /// `accumulate` plain steps overshot every corpus family's `--accumulate 2` check, by up to
     /// 51% (char_rnn: 27.0 ms for 17.9 ms; `results/gpu/2026-12-05-accumulate/`).
     ///
-    /// The range is wider than the plain step's. The micro-batch is often a calibration
-    /// batch, where a trial's two timed steps agree and the plain range is a point, and the
-    /// micro-batches run back to back, where the trials waited for the GPU after each step:
-    /// so the host launches the next one while the GPU works, and where the host did not
-    /// bound the trials a step may take as little as the GPU's work. Up to as many steps as
-    /// the trials ran them, each with its optimizer step: the rewrite splits the batch and
-    /// scales the loss, which on the H100 cost about what the skipped optimizer steps save
-    /// (the transformers' checks 2-6% over the point). Of the 31 `--accumulate 2` checks of
-    /// 2026-12-06 on an H100 whose trials the host did not bound, the range before held 3
-    /// (`scripts/gpu/analysis/step_times.py results/gpu/2026-12-06-*/`).
+    /// The range is wider than the plain step's: the micro-batch is often a calibration batch,
+    /// where a trial's two timed steps agree, and the micro-batches run back to back, where the
+    /// trials waited for the GPU after each step. Down to the GPU's work where the host did
+    /// not bound the trials, up to as many steps as the trials ran them (see [`MicroBatches`];
+    /// docs/fit.md, the step time row, has the measurements).
     fn step_time(&self, micro: u64, accumulate: u64) -> (f64, StepTime) {
         let (seconds, mut time) = self.micro_step_time(micro);
         if accumulate == 1 {
@@ -509,13 +520,14 @@ impl Calibration {
         let k = accumulate as f64;
         let added = |one: f64| k * one - (k - 1.0) * once;
         let gpu_work = time.gpu_work.map(|work| added(work).max(work));
-        time.low = match gpu_work {
-            Some(work) if !time.host_bound => added(time.low).min(work),
-            _ => added(time.low),
+        (time.low, time.micro_batches) = match gpu_work {
+            Some(work) if !time.host_bound && work < added(time.low) => {
+                (work, MicroBatches::DownToGpuWork)
+            }
+            _ => (added(time.low), MicroBatches::FromTrialSteps),
         };
         time.high *= k;
         time.gpu_work = gpu_work;
-        time.accumulated = true;
         (added(seconds), time)
     }
 
@@ -582,7 +594,7 @@ impl Calibration {
             host_bound: false,
             past_the_trials: false,
             gpu_work,
-            accumulated: false,
+            micro_batches: MicroBatches::One,
         };
         // Said only where it shows: a range the proportional step widened.
         step_time.past_the_trials = proportional > high && step_time.is_range();
@@ -632,7 +644,7 @@ impl Calibration {
             host_bound: true,
             past_the_trials: false,
             gpu_work,
-            accumulated: false,
+            micro_batches: MicroBatches::One,
         };
         Some((point, step_time))
     }
@@ -1367,7 +1379,7 @@ pub(crate) mod tests {
         // resnet18 on the H100 (results/gpu/2026-12-06-threads-keys/run3): its trials took
         // 6.4 and 7.1 ms at 64 and 128, their GPU working 3.0 and 4.8 ms; two micro-batches of
         // 128 took 12.3 ms, where the range from the trials' steps alone (each two steps alike)
-        // was 12.9-13.5 ms.
+        // was 12.9-13.5 ms (from these round numbers, 13.2 ms).
         let mut calibration = calibrated(&[64, 128]);
         profile_trials(&mut calibration, [(0.0064, 0.0030), (0.0071, 0.0048)]);
         calibration.points[1].1.optimizer_step_seconds = Some(0.001);
@@ -1375,7 +1387,8 @@ pub(crate) mod tests {
             .predict(&scenario(256, 2, OptimizerRule::Adam))
             .unwrap();
         let time = prediction.step_time;
-        assert!(time.accumulated && !time.host_bound, "{time:?}");
+        assert_eq!(time.micro_batches, MicroBatches::DownToGpuWork, "{time:?}");
+        assert!(!time.host_bound && time.is_range(), "{time:?}");
         assert!(
             (prediction.step_seconds - 0.0132).abs() < 1e-9,
             "{prediction:?}"
@@ -1391,17 +1404,25 @@ pub(crate) mod tests {
             .predict(&scenario(256, 2, OptimizerRule::Adam))
             .unwrap()
             .step_time;
-        assert!(
-            host_bound.host_bound && host_bound.accumulated,
-            "{host_bound:?}"
-        );
+        assert!(host_bound.host_bound, "{host_bound:?}");
+        assert_eq!(host_bound.micro_batches, MicroBatches::FromTrialSteps);
         assert!(host_bound.low > 0.0086, "{host_bound:?}");
         // A plain step is as before.
         let plain = calibration
             .predict(&scenario(128, 1, OptimizerRule::Adam))
             .unwrap()
             .step_time;
-        assert!(!plain.accumulated, "{plain:?}");
+        assert_eq!(plain.micro_batches, MicroBatches::One, "{plain:?}");
+        // Unprofiled (a CPU), K steps at the trials' ends: the lower end from their steps.
+        for (_, m) in calibration.points.iter_mut() {
+            m.gpu_busy_seconds = None;
+        }
+        let unprofiled = calibration
+            .predict(&scenario(256, 2, OptimizerRule::Adam))
+            .unwrap()
+            .step_time;
+        assert_eq!(unprofiled.micro_batches, MicroBatches::FromTrialSteps);
+        assert!((unprofiled.low - 0.0132).abs() < 1e-9, "{unprofiled:?}");
     }
 
     #[test]

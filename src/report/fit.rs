@@ -11,7 +11,7 @@ use super::escape;
 use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
 use crate::fit::estimate::Fixed;
-use crate::fit::estimate::{CacheSource, Prediction, StepTime};
+use crate::fit::estimate::{CacheSource, MicroBatches, Prediction, StepTime};
 use crate::fit::trial::{AlgorithmSearch, Measured, Outcome, Trial};
 use crate::rewrite::Options;
 
@@ -329,47 +329,68 @@ fn range_reason(source: CacheSource) -> &'static str {
     }
 }
 
+/// Why the predicted step time is a range (empty where it is a number).
+fn why_step_range(step_time: &StepTime) -> String {
+    const HOST_BOUND: &str = ": bound by the host at the calibration batches (their GPU was idle \
+        for over a third of their fastest steps: launches and the loop's own CPU work set their \
+        time, which does not follow the batch): the longer of their mean step (the host's time) \
+        and the GPU's work here, as the host launches ahead of the GPU; from their fastest step \
+        (or the work, if more) up to their slowest steps' line or time in proportion to the \
+        batch, where the work may take over";
+    const LAUNCH_BOUND: &str =
+        ": launch-bound at the calibration batches (their steps barely grew with the batch)";
+    const PAST_THE_TRIALS: &str = ": a range, up to the larger calibration trial's step in \
+        proportion to the batch: past the calibration batches their line keeps the small \
+        steps' fixed costs, such as kernel launches, where a large step may be all work";
+    const UP_TO_THE_TRIALS_STEPS: &str =
+        "up to as many steps as the trials ran them, each with its optimizer step";
+    if !step_time.is_range() {
+        return String::new();
+    }
+    let lead = if step_time.launch_bound {
+        LAUNCH_BOUND
+    } else if step_time.past_the_trials {
+        PAST_THE_TRIALS
+    } else {
+        ""
+    };
+    match step_time.micro_batches {
+        MicroBatches::One if step_time.host_bound => HOST_BOUND.to_string(),
+        MicroBatches::One if step_time.launch_bound => format!(
+            "{lead}: from their fastest step to time in proportion to the batch, where the work \
+             may take over"
+        ),
+        MicroBatches::One if step_time.past_the_trials => format!(
+            "{lead} (the lower end is the line, or the fastest steps' where they are short)"
+        ),
+        MicroBatches::One => ": a range, from the calibration trials' fastest and slowest \
+            steps (short steps vary with launches and the allocator's growth)"
+            .to_string(),
+        _ if step_time.host_bound => {
+            format!("{HOST_BOUND}; with micro-batches, {UP_TO_THE_TRIALS_STEPS}")
+        }
+        kind => {
+            let from = if kind == MicroBatches::DownToGpuWork {
+                "the GPU's work in them, as the host launches the next while the GPU works"
+            } else {
+                "the calibration trials' fastest steps"
+            };
+            let lead = if lead.is_empty() { ":" } else { lead };
+            format!(
+                "{lead}; micro-batches back to back, where the trials waited for the GPU after \
+                 each step: from {from}, {UP_TO_THE_TRIALS_STEPS}"
+            )
+        }
+    }
+}
+
 /// What the estimate predicts beyond its table: the step time (and why it is a range), and
 /// peak reserved as a range where the calibration trials' caches disagree, where the
 /// allocator's rules missed the larger trial's own peak, or where the segment order decides it.
 fn prediction_lines(prediction: &Prediction) -> String {
     let step_time = &prediction.step_time;
     let predicted_step = step_time.describe(prediction.step_seconds);
-    let why_range = if step_time.host_bound {
-        ": bound by the host at the calibration batches (their GPU was idle for over a third of \
-         their fastest steps: launches and the loop's own CPU work set their time, which does \
-         not follow the batch): the longer of their mean step (the host's time) and the GPU's \
-         work here, as the host launches ahead of the GPU; from their fastest step (or the \
-         work, if more) up to their slowest steps' line or time in proportion to the batch, \
-         where the work may take over"
-    } else if step_time.launch_bound {
-        ": launch-bound at the calibration batches (their steps barely grew with the batch): \
-         from their fastest step to time in proportion to the batch, where the work may take \
-         over"
-    } else if step_time.past_the_trials {
-        ": a range, up to the larger calibration trial's step in proportion to the batch: past \
-         the calibration batches their line keeps the small steps' fixed costs, such as kernel \
-         launches, where a large step may be all work (the lower end is the line, or the \
-         fastest steps' where they are short)"
-    } else if step_time.is_range() {
-        ": a range, from the calibration trials' fastest and slowest steps (short steps vary \
-         with launches and the allocator's growth)"
-    } else {
-        ""
-    };
-    // Micro-batches run back to back, where each trial's step waited for the GPU.
-    let back_to_back = match (step_time.accumulated, step_time.host_bound) {
-        (false, _) => "",
-        (true, false) => {
-            "; with micro-batches back to back (the trials waited for the GPU after each step), \
-             from the GPU's work, as the host launches ahead, to as many steps as the trials \
-             ran them"
-        }
-        (true, true) => {
-            "; with micro-batches, up to as many steps as the trials ran them, each with its \
-             optimizer step"
-        }
-    };
+    let why_range = why_step_range(step_time);
     let why_reserved = match prediction.cache_source {
         CacheSource::RulesMissedTrial => {
             "the allocator's rules missed the larger calibration trial's own peak reserved, in \
@@ -402,7 +423,7 @@ fn prediction_lines(prediction: &Prediction) -> String {
             )
         });
     format!(
-        "predicted step time {predicted_step} (micro-batch {}){why_range}{back_to_back}{}{reserved_range}",
+        "predicted step time {predicted_step} (micro-batch {}){why_range}{}{reserved_range}",
         prediction.micro_batch,
         gpu_work_line(prediction)
     )
@@ -1163,7 +1184,7 @@ mod tests {
                 host_bound: false,
                 past_the_trials: false,
                 gpu_work: None,
-                accumulated: false,
+                micro_batches: MicroBatches::One,
             },
             step_seconds: 0.030,
             ..prediction.clone()
@@ -1190,25 +1211,54 @@ mod tests {
             "{text}"
         );
         assert!(!prediction_lines(&ranged_step).contains("bound by the host"));
-        // Micro-batches back to back say why their range reaches down to the GPU's work, unless
-        // the host bound the trials.
-        let accumulated = |host_bound: bool| Prediction {
+        // Micro-batches back to back say where their range's ends come from.
+        let accumulated = |micro_batches: MicroBatches, host_bound: bool| Prediction {
             step_time: crate::fit::estimate::StepTime {
-                accumulated: true,
+                micro_batches,
                 host_bound,
                 ..ranged_step.step_time
             },
             ..ranged_step.clone()
         };
-        let text = prediction_lines(&accumulated(false));
-        assert!(text.contains("with micro-batches back to back"), "{text}");
-        assert!(text.contains("from the GPU's work"), "{text}");
-        let text = prediction_lines(&accumulated(true));
+        let text = prediction_lines(&accumulated(MicroBatches::DownToGpuWork, false));
         assert!(
-            text.contains("; with micro-batches, up to as many steps"),
+            text.contains(
+                "): launch-bound at the calibration batches (their \
+                 steps barely grew with the batch); micro-batches back to back, where the trials \
+                 waited for the GPU after each step: from the GPU's work in them, as the host \
+                 launches the next while the GPU works, up to as many steps as the trials ran \
+                 them, each with its optimizer step"
+            ),
             "{text}"
         );
-        assert!(!text.contains("from the GPU's work"), "{text}");
+        let text = prediction_lines(&accumulated(MicroBatches::FromTrialSteps, false));
+        assert!(
+            text.contains("from the calibration trials' fastest steps, up to"),
+            "{text}"
+        );
+        let text = prediction_lines(&accumulated(MicroBatches::FromTrialSteps, true));
+        assert!(
+            text.contains("where the work may take over; with micro-batches, up to as many steps"),
+            "{text}"
+        );
+        assert!(!text.contains("back to back"), "{text}");
+        // A number says nothing about a range.
+        let point = Prediction {
+            step_time: crate::fit::estimate::StepTime {
+                low: 0.0475,
+                high: 0.0475,
+                launch_bound: false,
+                ..accumulated(MicroBatches::FromTrialSteps, false).step_time
+            },
+            step_seconds: 0.0475,
+            ..ranged_step.clone()
+        };
+        let text = prediction_lines(&point);
+        assert!(
+            text.starts_with("predicted step time 47.5 ms (micro-batch "),
+            "{text}"
+        );
+        assert!(!text.contains("micro-batches"), "{text}");
         assert!(!prediction_lines(&ranged_step).contains("micro-batches"));
 
         // A range from the allocator's rules says which of their reasons made it.

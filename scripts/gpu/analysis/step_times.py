@@ -3,7 +3,9 @@ model x configuration checked more than once, the measured step (stable or not f
 beside the predicted point and range, and how many points are within 20% where the step is at
 least 20 ms (issue 20's goal); and of the estimates whose trials profiled the GPU's work
 (`predicted_gpu_busy_seconds`, from 2026-12-05), the same count apart, and split by whether
-their trials were bound by the host (every trial's step in the table over 1.5x its GPU's work).
+their trials were bound by the host (every trial's step in the table over 1.5x its GPU's work);
+and of the `--accumulate` checks, how often the stated range held the step with no slack, by
+the kernel's own host-bound flag (`host_bound` in the estimate's JSON; older runs lack it).
 
     python3 scripts/gpu/analysis/step_times.py results/gpu/2026-12-0[345]-*/
 """
@@ -122,8 +124,8 @@ def main(folders):
     accumulated = [c for (_, what), runs in by.items() if "--accumulate" in what for c in runs]
     if accumulated:
         exact = lambda checks: sum(c[1] <= c[3] <= c[2] for c in checks)
-        hosted = [c for c in accumulated if c[8]]
-        others = [c for c in accumulated if not c[8]]
+        hosted = [c for c in accumulated if c[8] is True]
+        others = [c for c in accumulated if c[8] is False]
         print(f"  {len(accumulated)} --accumulate checks: the stated range (no slack) held the "
               f"step in {exact(others)} of {len(others)} whose trials the host did not bound, "
               f"{exact(hosted)} of {len(hosted)} bound by it")
