@@ -375,9 +375,14 @@ fn why_step_range(step_time: &StepTime) -> String {
             } else {
                 "the calibration trials' fastest steps"
             };
-            let lead = if lead.is_empty() { ":" } else { lead };
+            // After a lead, a second clause; alone, the reason itself.
+            let lead = if lead.is_empty() {
+                ": ".to_string()
+            } else {
+                format!("{lead}; ")
+            };
             format!(
-                "{lead}; micro-batches back to back, where the trials waited for the GPU after \
+                "{lead}micro-batches back to back, where the trials waited for the GPU after \
                  each step: from {from}, {UP_TO_THE_TRIALS_STEPS}"
             )
         }
@@ -1236,6 +1241,20 @@ mod tests {
             text.contains("from the calibration trials' fastest steps, up to"),
             "{text}"
         );
+        // Without a lead (neither launch-bound nor past the trials), the reason stands alone.
+        let alone = Prediction {
+            step_time: crate::fit::estimate::StepTime {
+                launch_bound: false,
+                ..accumulated(MicroBatches::DownToGpuWork, false).step_time
+            },
+            ..ranged_step.clone()
+        };
+        let text = prediction_lines(&alone);
+        assert!(
+            text.contains("): micro-batches back to back, where the trials waited"),
+            "{text}"
+        );
+        assert!(!text.contains(":;"), "{text}");
         let text = prediction_lines(&accumulated(MicroBatches::FromTrialSteps, true));
         assert!(
             text.contains("where the work may take over; with micro-batches, up to as many steps"),
