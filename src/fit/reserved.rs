@@ -102,6 +102,11 @@ impl<'a> Requests<'a> {
         })
     }
 
+    /// How many requests the recorded step made: those from its start to the trace's end.
+    fn step_len(&self) -> usize {
+        self.sizes.len() - self.recorded_step_start()
+    }
+
     /// The requests operator `op` of the recorded step made (between its marks).
     fn of_operator(&self, op: usize) -> Option<std::ops::Range<usize>> {
         let marks = &self.trace.marks;
@@ -225,8 +230,15 @@ impl<'a> ReservedLines<'a> {
     /// The larger trial's requests at `micro`: on their lines, and where operators were
     /// replayed there (`replayed`), at the sizes they requested alone (see [`matched`]).
     ///
-    /// A replayed request stands for the same request in the steps before the recorded one
-    /// (the same loop makes the same requests in the same order), found by its key (see
+    /// The steps before the recorded one that made its requests at the larger trial's batch
+    /// make them at `micro` too: each request there takes its twin's size in the recorded step
+    /// (see [`Self::repeated_steps`]), replayed or on its line. Their own lines may say
+    /// otherwise where the smaller trial's requests lined up differently in that step
+    /// (mnist_conv under cuDNN's benchmark mode at 64 and 128: a 4 MiB request on a line from 4
+    /// KiB, 12 MiB at 256 where the check made 4 MiB; `results/gpu/2026-12-07-accumulate-steps/`).
+    ///
+    /// In the steps that did not repeat it (the first, which makes the optimizer's state), a
+    /// replayed request stands for the same request found by its key (see
     /// [`Self::key`]) and its place among the recorded step's requests of that key: two
     /// operators' requests may share a key at the trials' batches and part at the target
     /// (cifar_resnet's workspaces of 8.98 MB at 16 were 8.98 and 17.4 MB at 32:
@@ -240,16 +252,22 @@ impl<'a> ReservedLines<'a> {
             .map(|j| self.line_size(j, micro))
             .collect();
         let own = self.replayed_requests(micro, replayed);
-        if own.is_empty() {
-            return sizes;
-        }
         for (&j, &size) in &own {
             sizes[j] = size;
         }
+        let (repeated, step) = (self.repeated_steps(), self.large.step_len());
+        for j in repeated.clone() {
+            // Its twin: as many steps on as it lies before the recorded step's start.
+            sizes[j] = sizes[j + (repeated.end - j).div_ceil(step) * step];
+        }
+        if own.is_empty() {
+            return sizes;
+        }
         let step_start = self.large.recorded_step_start();
-        // Each key's requests in order: those in the recorded step, and those before it.
+        // Each key's requests in order: those in the recorded step, and those before it in the
+        // steps that did not repeat it.
         let mut by_key: HashMap<_, (Vec<usize>, Vec<usize>)> = HashMap::new();
-        for j in 0..sizes.len() {
+        for j in (0..sizes.len()).filter(|j| !repeated.contains(j)) {
             let (before, step) = by_key.entry(self.key(j)).or_default();
             if j < step_start {
                 before.push(j)
@@ -278,6 +296,19 @@ impl<'a> ReservedLines<'a> {
             }
         }
         sizes
+    }
+
+    /// The requests of the steps just before the recorded one that made the recorded step's
+    /// requests, size for size and in order, at the larger trial's batch: the loop repeating
+    /// itself. It ends at the recorded step's start; empty where the step before differs.
+    fn repeated_steps(&self) -> std::ops::Range<usize> {
+        let (start, len) = (self.large.recorded_step_start(), self.large.step_len());
+        let sizes = &self.large.sizes;
+        let mut begin = start;
+        while len > 0 && begin >= len && sizes[begin - len..begin] == sizes[start..] {
+            begin -= len;
+        }
+        begin..start
     }
 
     /// The sizes the replayed operators requested at `micro`, by the larger trial's request
@@ -863,6 +894,43 @@ pub(crate) mod tests {
         assert!(twins(9216 << 10, 18432 << 10, 128, 256));
         assert!(twins(200 << 10, 200 << 10, 128, 256));
         assert!(!twins(8352 << 10, 18432 << 10, 128, 256));
+    }
+
+    #[test]
+    fn earlier_steps_that_repeat_the_recorded_one_take_its_sizes() {
+        // mnist_conv under cuDNN's benchmark mode on an H100 (`results/gpu/2026-12-07-accumulate-
+        // steps/`, its `study/`): from trials at 64 and 128 with its heaviest operators replayed at
+        // 256. At 128 the last three steps made the same 53 requests; in two of them the smaller
+        // trial lined a 4 MiB request up with one of 4 KiB (12 MiB at 256), and two workspaces
+        // the smaller trial made elsewhere grew with the batch (16.3 MiB for 12.6): 188 MiB for
+        // the 170 the check at 256 reserved. The steps repeat, so they take the recorded step's
+        // sizes, replayed where its operators were.
+        let dir = "2026-12-07-accumulate-steps/study";
+        let [small, large, truth] =
+            [64, 128, 256].map(|b| recorded_at(&format!("{dir}/mnist_conv_benchmark-{b}")));
+        let replayed = replayed_at(&format!("{dir}/mnist_conv_benchmark-replay-256"));
+        let points = [point(&small), point(&large)];
+        let lines = ReservedLines::of(&points).unwrap();
+        let repeated = lines.repeated_steps();
+        assert_eq!((repeated.len(), lines.large.step_len()), (106, 53));
+        assert_eq!(repeated, 69..175);
+        // The 4 MiB request and a workspace in each of the three steps: 12 MiB and 16.3 MiB on
+        // their lines in the first two; 4 MiB, and 12.6 MiB as replayed, in all three.
+        let sizes = lines.sizes_at(256, Some(&replayed));
+        let kib = |j: usize| sizes[j] >> 10;
+        assert_eq!(lines.line_size(95, 256) >> 10, 12280);
+        assert_eq!([95, 148, 201].map(kib), [4096; 3]);
+        assert_eq!(lines.line_size(101, 256) >> 10, 16704);
+        assert_eq!([101, 154, 207].map(kib), [12904; 3]);
+        assert_eq!(truth.peak_reserved, 170 * MIB);
+        let (predicted, other) = lines.peak_reserved(256, Some(&replayed), None).unwrap();
+        assert_eq!((predicted, other), (170 * MIB, 170 * MIB));
+        // On their lines alone, within 5%.
+        let (on_lines, _) = lines.peak_reserved(256, None, None).unwrap();
+        assert!(
+            error(on_lines, truth.peak_reserved).abs() < 0.05,
+            "{on_lines}"
+        );
     }
 
     #[test]
