@@ -236,14 +236,17 @@ impl<'a> ReservedLines<'a> {
     /// otherwise where the smaller trial's requests lined up differently in that step
     /// (mnist_conv under cuDNN's benchmark mode at 64 and 128: a 4 MiB request on a line from 4
     /// KiB, 12 MiB at 256 where the check made 4 MiB; `results/gpu/2026-12-07-accumulate-steps/`).
+    /// The recorded step is the one trusted: its heaviest operators ran at `micro`, so its sizes
+    /// are the best known; where its own line is the odd one, every repeated step takes it too.
     ///
-    /// In the steps that did not repeat it (the first, which makes the optimizer's state), a
-    /// replayed request stands for the same request found by its key (see
+    /// In the steps that did not repeat it (the first, which makes the optimizer's state, or
+    /// more under cuDNN's benchmark mode, which searches at each new shape), a replayed request
+    /// stands for the same request found by its key (see
     /// [`Self::key`]) and its place among the recorded step's requests of that key: two
     /// operators' requests may share a key at the trials' batches and part at the target
     /// (cifar_resnet's workspaces of 8.98 MB at 16 were 8.98 and 17.4 MB at 32:
-    /// `results/gpu/2026-12-06-benchmark-twice/`). That holds where every earlier step made as
-    /// many of the key as the recorded one; where the first made more or fewer, the earlier
+    /// `results/gpu/2026-12-06-benchmark-twice/`). That holds where every such step made as
+    /// many of the key as the recorded one; where they made more or fewer, the earlier
     /// requests take the replayed size only when all of the recorded step's were replayed at
     /// one size, and otherwise stay on their lines. The recorded step's requests that were not
     /// replayed stay on their lines, whatever key they share.
