@@ -4,9 +4,11 @@ The kernel binary comes from $TCHMEM_BIN (scripts/test sets it). A kernelspec na
 "tchmem-test" is installed into a temporary prefix that JUPYTER_PATH puts first, so that no other
 installed tchmem kernelspec can be picked up by mistake."""
 
+import base64
 import copy
 import functools
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -92,6 +94,13 @@ def displayed(messages, mime):
     """What `mime` shows: in new displays, or in displays replaced in place (live tables)."""
     shown = outputs(messages, "display_data") + outputs(messages, "update_display_data")
     return [d["data"][mime] for d in shown if mime in d["data"]]
+
+
+def charts_in(html):
+    """The SVG documents of the charts in an output's HTML: tchmem draws each as an image whose
+    source is the SVG (src/report/embed.rs), which notebooks show trusted or not."""
+    found = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', html)
+    return [base64.b64decode(data).decode() for data in found]
 
 
 def stream_text(messages, name="stdout"):

@@ -108,13 +108,16 @@ NOTEBOOK_STATE = """() => {
         ? {type: 'error', text: o.ename + ': ' + o.evalue}
         : {type: o.output_type, mimes: Object.keys(o.data ?? {}),
            svgs: ('image/svg+xml' in (o.data ?? {}) ? 1 : 0)
-                 + ((o.data ?? {})['text/html'] ?? '').toString().split('<svg').length - 1}),
+                 + ((o.data ?? {})['text/html'] ?? '').toString().split('<svg').length - 1
+                 + ((o.data ?? {})['text/html'] ?? '').toString()
+                     .split('src="data:image/svg+xml').length - 1}),
     })),
   };
 }"""
 
 
-# Charts in outputs: inline SVG (tchmem's HTML summaries) or SVG images (image/svg+xml).
+# Charts in outputs: SVG images (tchmem's HTML summaries draw theirs as images whose source is
+# the SVG; image/svg+xml outputs) or inline SVG (others' HTML).
 CHART_SELECTOR = (".jp-OutputArea-output svg:not(svg svg), "
                   ".jp-OutputArea-output img[src^='data:image/svg']")
 # The charts the page draws: their width on screen and their smallest text in screen pixels.
@@ -130,6 +133,15 @@ CHARTS_ON_PAGE = """() => {
       const scale = box.width / drawn;
       for (const text of el.querySelectorAll('text')) {
         const px = parseFloat(getComputedStyle(text).fontSize) * scale;
+        if (text.textContent.trim() && (smallest === null || px < smallest)) smallest = px;
+      }
+    } else if (el.src.startsWith('data:image/svg+xml;base64,') && el.naturalWidth > 0) {
+      // An image of an SVG: its text as drawn (font-size attributes) at the page's scale.
+      const bytes = Uint8Array.from(atob(el.src.split(',')[1]), c => c.charCodeAt(0));
+      const svg = new DOMParser().parseFromString(new TextDecoder().decode(bytes), 'image/svg+xml');
+      const scale = box.width / el.naturalWidth;
+      for (const text of svg.querySelectorAll('text[font-size]')) {
+        const px = parseFloat(text.getAttribute('font-size')) * scale;
         if (text.textContent.trim() && (smallest === null || px < smallest)) smallest = px;
       }
     }

@@ -1,7 +1,7 @@
 """Per-cell memory records through the real kernel: categories of a watched model, the inline
 summary, and the %memprofile / %memhistory magics (CPU: categories from tensor sizes)."""
 
-from conftest import execute, outputs, page_text, skip_on_cuda, stream_text
+from conftest import charts_in, execute, outputs, page_text, skip_on_cuda, stream_text
 
 RECORD_MIME = "application/vnd.tchmem.record+json"
 
@@ -34,7 +34,8 @@ tchmem::watch(&mem_vs);
     assert category_bytes(record, "gradients") == 0
     assert display["data"]["text/plain"].startswith("cpu: parameters 11.8 KiB")
     html = display["data"]["text/html"]
-    assert "<svg" in html and "parameters" in html
+    charts = charts_in(html)
+    assert len(charts) == 1 and "parameters" in charts[0], html
 
     code = """
 let mem_x: tch::Tensor = tch::Tensor::ones([8, 100], (tch::Kind::Float, tch::Device::Cpu));

@@ -10,6 +10,7 @@ use tchmem_wire::Display;
 use crate::cell_error::ErrorName;
 
 use super::chart::{font, TEXT_PX, TITLE_PX};
+use super::embed;
 use super::escape;
 use super::format::human_bytes;
 
@@ -360,7 +361,7 @@ pub fn comparison_display(flags: &str, original: &Side, rewritten: &Side) -> Dis
             )
         })
         .collect();
-    let chart = loss_chart(original, rewritten).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let chart = embed::chart_html(loss_chart(original, rewritten), "loss by step");
     let html = format!(
         "<div class='tchmem-compare'><div><b>{}</b></div><div>{}</div>\
          <table><tr><th></th><th>original</th><th>rewritten</th></tr>{table}</table>{chart}</div>",
@@ -413,8 +414,9 @@ mod tests {
         assert!(text.contains("saves 3.0 GiB (75.0%)"), "{text}");
         let display = comparison_display("--checkpoint", &a, &b);
         let html = display.data["text/html"].as_str().unwrap();
+        let charts = embed::svgs_in(html);
         assert!(
-            html.contains("<svg") && html.contains("rewritten"),
+            charts.len() == 1 && charts[0].contains("rewritten"),
             "{html}"
         );
         let plain = display.data["text/plain"].as_str().unwrap();

@@ -6,6 +6,7 @@ use tchmem_wire::memory::{Category, MemoryRecord};
 use tchmem_wire::mime::RANKS_MIME;
 use tchmem_wire::Display;
 
+use super::embed;
 use super::format::human_bytes;
 use super::{chart, records_table};
 
@@ -57,7 +58,7 @@ pub fn ranks_display(records: &[Option<MemoryRecord>]) -> Option<Display> {
         .iter()
         .map(|(rank, record)| (*rank, record.categories.as_slice()))
         .collect();
-    let chart = chart::rank_columns(&columns).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let chart = embed::chart_html(chart::rank_columns(&columns), "memory by rank");
     let mut data = Map::new();
     data.insert("text/plain".into(), Value::String(text));
     data.insert(
@@ -109,7 +110,8 @@ mod tests {
             "{text}"
         );
         let html = display.data["text/html"].as_str().unwrap();
-        assert!(html.contains("<svg") && html.contains("rank"), "{html}");
+        let charts = embed::svgs_in(html);
+        assert!(charts.len() == 1 && charts[0].contains("rank"), "{html}");
         assert_eq!(display.data[RANKS_MIME].as_array().unwrap().len(), 3);
         assert!(ranks_display(&[None, None]).is_none());
         let even = ranks_display(&[Some(on_cpu(2048)), Some(on_cpu(2048))]).unwrap();

@@ -7,6 +7,7 @@ use tchmem_wire::mime::{ESTIMATE_MIME, TRIALS_MIME};
 use tchmem_wire::Display;
 
 use super::chart;
+use super::embed;
 use super::escape;
 use super::format::human_bytes;
 use crate::fit::candidates::Candidate;
@@ -219,8 +220,10 @@ pub fn estimate_display(view: &EstimateView) -> Display {
         ));
     }
     let title = format!("predicted peak, {}", view.what);
-    let svg = chart::stacked_bar_against(&title, &categories, view.capacity)
-        .unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let svg = embed::chart_html(
+        chart::stacked_bar_against(&title, &categories, view.capacity),
+        &title,
+    );
     let table = Table {
         header: ["category", "bytes", "how"].map(String::from).to_vec(),
         rows: CategoryName::ALL
@@ -1043,8 +1046,11 @@ mod tests {
         assert!(text.contains("exact: Adam's rule"), "{text}");
         assert!(text.contains("Checked by a trial at the batch"), "{text}");
         let html = display.data["text/html"].as_str().unwrap();
-        assert!(html.contains("capacity 1.0 GiB"), "{html}");
-        assert!(html.contains("<svg"));
+        let charts = embed::svgs_in(html);
+        assert!(
+            charts.len() == 1 && charts[0].contains("capacity 1.0 GiB"),
+            "{html}"
+        );
         assert_eq!(display.data[ESTIMATE_MIME]["fits"], true);
         assert_eq!(display.data[ESTIMATE_MIME]["host_bound"], false);
         assert_eq!(

@@ -165,11 +165,11 @@ impl LiveState {
         let line = self.line(finished);
         let mut html = format!(
             "<div class=\"tchmem-live\" style=\"font-family:monospace;font-size:13px\">{}</div>",
-            escape(&line)
+            super::escape(&line)
         );
         if !finished {
             if let Some(svg) = self.curve() {
-                html.push_str(&svg);
+                html.push_str(&super::embed::image(&svg, "memory over the run"));
             }
         }
         let mut data = Map::new();
@@ -271,12 +271,6 @@ fn seconds(s: f64) -> String {
     }
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,8 +353,9 @@ mod tests {
         );
         let bundle = state.bundle(false);
         let html = bundle["text/html"].as_str().unwrap();
+        let charts = crate::report::embed::svgs_in(html);
         assert!(
-            html.contains("<svg") && html.contains("allocated"),
+            charts.len() == 1 && charts[0].contains("allocated"),
             "{html}"
         );
         assert!(bundle["text/plain"]
@@ -370,7 +365,7 @@ mod tests {
         assert!(!state.bundle(true)["text/html"]
             .as_str()
             .unwrap()
-            .contains("<svg"));
+            .contains("data:image/svg+xml"));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod chart;
 pub mod compare;
 pub mod distributed;
+pub mod embed;
 pub mod fit;
 pub mod format;
 pub mod live;
@@ -109,7 +110,8 @@ pub fn cell_display(record: &MemoryRecord) -> Display {
         None => one_line(record),
     };
     data.insert("text/plain".into(), Value::String(text));
-    let mut chart = chart_svg(record, None).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let title = format!("{} after the cell", record.device);
+    let mut chart = embed::chart_html(chart_svg(record, None), &title);
     if let Some(advice) = &advice {
         chart.push_str(&format!("<div>{}</div>", escape(advice)));
     }
@@ -118,10 +120,10 @@ pub fn cell_display(record: &MemoryRecord) -> Display {
             "{} at the start of backward (peak of the step)",
             record.device
         );
-        chart.push_str(
-            &chart::stacked_bar(&title, at_backward)
-                .unwrap_or_else(|e| format!("<!-- chart: {e} -->")),
-        );
+        chart.push_str(&embed::chart_html(
+            chart::stacked_bar(&title, at_backward),
+            &title,
+        ));
     }
     data.insert("text/html".into(), Value::String(html(record, &chart)));
     data.insert(
@@ -231,7 +233,7 @@ pub fn history_display(records: &[(usize, MemoryRecord)]) -> Display {
     let chart = if records.is_empty() {
         String::new()
     } else {
-        chart::history_columns(&columns).unwrap_or_else(|e| format!("<!-- chart: {e} -->"))
+        embed::chart_html(chart::history_columns(&columns), "memory by run")
     };
     let mut data = Map::new();
     data.insert("text/plain".into(), Value::String(text));
@@ -423,9 +425,11 @@ mod tests {
     fn history_chart_has_a_column_per_run() {
         let record = gpu_record();
         let records = vec![(1, record.clone()), (2, record)];
-        let html = history_display(&records).data["text/html"].to_string();
+        let display = history_display(&records);
+        let html = display.data["text/html"].as_str().unwrap();
+        let charts = embed::svgs_in(html);
         assert!(
-            html.contains("<svg") && html.contains("stacked by category"),
+            charts.len() == 1 && charts[0].contains("stacked by category"),
             "{html}"
         );
     }

@@ -1,7 +1,8 @@
 //! The timeline chart: stacked areas by category over the trace's allocation events, the cache
-//! above them, phase bands behind, the peak and OOMs marked, a legend, and hover text (SVG
-//! `<title>`s) on every column and on the peak. Drawn with plotters' primitives, as the other
-//! charts; plotters has no `<title>`, so the hover layer is added to its SVG.
+//! above them, phase bands behind, the peak and OOMs marked, a legend, and hover text on every
+//! column and on the peak: SVG `<title>`s in a saved chart, an image map in a notebook (see
+//! [`crate::report::embed`]). Drawn with plotters' primitives, as the other charts; plotters
+//! has no `<title>`, so the hover layer is added to its SVG.
 
 use std::fmt::Write as _;
 
@@ -11,6 +12,7 @@ use tchmem_wire::timeline::Phase;
 
 use super::{by_category, ms, phase_at, text, PeakBlock};
 use crate::report::chart::{colour, font, TEXT_PX, TITLE_PX};
+use crate::report::embed::{self, Hover, Spot};
 use crate::report::format::human_bytes;
 use crate::timeline::model::{Timeline, STACKED};
 use crate::timeline::series::{columns, Column};
@@ -304,35 +306,61 @@ impl<'t> Layout<'t> {
         Ok(())
     }
 
-    /// A transparent rectangle per column and a circle on the peak, each with its hover text.
-    fn hovers(&self, sources: &CellSources) -> String {
-        let mut out = String::from("<g fill=\"#000\" fill-opacity=\"0\">");
-        for (i, column) in self.columns.iter().enumerate() {
-            let (x0, x1) = (
-                self.column_x(i),
-                self.column_x(i + 1).max(self.column_x(i) + 1),
-            );
-            let _ = write!(
-                out,
-                "<rect x=\"{x0}\" y=\"{TOP}\" width=\"{}\" height=\"{}\"><title>{}</title></rect>",
-                x1 - x0,
-                BOTTOM - TOP,
-                crate::report::escape(&column_title(self.timeline, column, sources))
-            );
-        }
+    /// A rectangle per column and a circle on the peak, each with its hover text (the peak
+    /// last: an SVG draws it on top).
+    fn hovers(&self, sources: &CellSources) -> Vec<Hover> {
+        let mut hovers: Vec<Hover> = self
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(i, column)| Hover {
+                spot: Spot::Rect {
+                    x0: self.column_x(i),
+                    y0: TOP,
+                    x1: self.column_x(i + 1).max(self.column_x(i) + 1),
+                    y1: BOTTOM,
+                },
+                text: column_title(self.timeline, column, sources),
+            })
+            .collect();
         let (x, y) = self.peak();
-        let _ = write!(
-            out,
-            "<circle cx=\"{x}\" cy=\"{y}\" r=\"9\"><title>{}</title></circle></g>",
-            crate::report::escape(&text(self.timeline, sources, "peak"))
-        );
-        out
+        hovers.push(Hover {
+            spot: Spot::Circle { x, y, r: 9 },
+            text: text(self.timeline, sources, "peak"),
+        });
+        hovers
     }
 }
 
-/// The SVG chart (hover text included). The x axis counts allocation events (see
-/// [`crate::timeline::series`]); times are in the hover text.
+/// The SVG chart with its hover text as SVG `<title>`s (a chart saved as a file). The x axis
+/// counts allocation events (see [`crate::timeline::series`]); times are in the hover text.
 pub fn svg(timeline: &Timeline, sources: &CellSources, title: &str) -> Result<String, String> {
+    let (mut svg, hovers) = drawn(timeline, sources, title)?;
+    let end = svg.rfind("</svg>").ok_or("plotters wrote no </svg>")?;
+    let mut layer = String::from("<g fill=\"#000\" fill-opacity=\"0\">");
+    for hover in &hovers {
+        layer.push_str(&hover.svg());
+    }
+    layer.push_str("</g>");
+    svg.insert_str(end, &layer);
+    Ok(svg)
+}
+
+/// The chart for a notebook: an image, its hover text in an image map (see
+/// [`crate::report::embed`]).
+pub fn html(timeline: &Timeline, sources: &CellSources, title: &str) -> Result<String, String> {
+    let (svg, mut hovers) = drawn(timeline, sources, title)?;
+    // Where areas overlap, a map takes the first: the peak goes first (an SVG draws it last).
+    hovers.rotate_right(1);
+    Ok(embed::image_with_hovers(&svg, title, &hovers))
+}
+
+/// The chart drawn, without hover text, and its hover text.
+fn drawn(
+    timeline: &Timeline,
+    sources: &CellSources,
+    title: &str,
+) -> Result<(String, Vec<Hover>), String> {
     let layout = Layout::new(timeline);
     let present = layout.present();
     let mut legend: Vec<(RGBColor, String)> = present
@@ -364,7 +392,5 @@ pub fn svg(timeline: &Timeline, sources: &CellSources, title: &str) -> Result<St
         layout.legend(&root, &legend)?;
         root.present().map_err(failed)?;
     }
-    let end = svg.rfind("</svg>").ok_or("plotters wrote no </svg>")?;
-    svg.insert_str(end, &layout.hovers(sources));
-    Ok(svg)
+    Ok((svg, layout.hovers(sources)))
 }

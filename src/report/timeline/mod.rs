@@ -207,7 +207,8 @@ pub fn display(
 ) -> tchmem_wire::Display {
     use serde_json::Value;
     let words = text(timeline, sources, title);
-    let chart = svg(timeline, sources, title).unwrap_or_else(|e| format!("<!-- chart: {e} -->"));
+    let chart = chart::html(timeline, sources, title)
+        .unwrap_or_else(|e| format!("<!-- chart: {} -->", crate::report::escape(&e)));
     let mut html = format!("<div class=\"tchmem-timeline\">{chart}");
     if let Some(table) = sites_table(timeline, sources) {
         html.push_str(&table);
