@@ -202,6 +202,9 @@ def check_tutorial(page, base, name):
     assert charts_in_model > 0, "the tutorial drew no chart"
     # What the page shows: every chart drawn (inline SVG in HTML, or an SVG image), at a useful
     # width, with text a reader can read (font size times the scale the page draws it at).
+    # Chart images decode after the page has them: their text is read once they have.
+    page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/svg']\")]"
+                           ".every(img => img.complete)", timeout=30_000)
     charts = page.evaluate(CHARTS_ON_PAGE)
     assert len(charts) >= charts_in_model, f"{charts_in_model} charts made, {len(charts)} shown"
     assert all(c["width"] >= 300 for c in charts), charts

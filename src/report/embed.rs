@@ -83,23 +83,48 @@ impl Hover {
 
 /// `svg` as an HTML image; `alt` is what a reader without it reads.
 pub fn image(svg: &str, alt: &str) -> String {
+    img(svg, alt, "")
+}
+
+/// The `<img>`, with the SVG's own size (the page keeps its place while the image decodes: a
+/// live view replaces it every quarter second) and `extra` attributes.
+fn img(svg: &str, alt: &str, extra: &str) -> String {
+    let size: String = ["width", "height"]
+        .iter()
+        .filter_map(|name| Some(format!(" {name}=\"{}\"", svg_size(svg, name)?)))
+        .collect();
     format!(
-        "<img alt=\"{}\" src=\"data:image/svg+xml;base64,{}\">",
+        "<img alt=\"{}\"{size}{extra} src=\"data:image/svg+xml;base64,{}\">",
         attribute(alt),
         BASE64.encode(svg.as_bytes())
     )
 }
 
-/// `svg` as an HTML image with `hovers` in an image map. The map's name comes from the chart,
-/// so that two charts in one notebook (from two sessions, say) never share one.
+/// The `width` or `height` the root `<svg>` element gives, in pixels.
+fn svg_size(svg: &str, name: &str) -> Option<u32> {
+    let root = &svg[svg.find("<svg")?..];
+    let root = &root[..root.find('>')?];
+    let at = root.find(&format!(" {name}=\""))? + name.len() + 3;
+    root[at..].split('"').next()?.parse().ok()
+}
+
+/// `svg` as an HTML image with `hovers` in an image map. The map's name comes from the chart and
+/// its hover text (two runs of one step draw the same chart at other times), so that two charts
+/// on one page (every open notebook is one page in JupyterLab) do not share one. The image keeps
+/// its size (`max-width:none`): a map's coordinates do not follow an image scaled to fit.
 pub fn image_with_hovers(svg: &str, alt: &str, hovers: &[Hover]) -> String {
     let mut hasher = DefaultHasher::new();
     svg.hash(&mut hasher);
+    for hover in hovers {
+        hover.text.hash(&mut hasher);
+    }
     let name = format!("tchmem-chart-{:016x}", hasher.finish());
     let areas: String = hovers.iter().map(Hover::area).collect();
-    let img = image(svg, alt);
-    let img = img.replacen("<img ", &format!("<img usemap=\"#{name}\" "), 1);
-    format!("{img}<map name=\"{name}\">{areas}</map>")
+    let extra = format!(" usemap=\"#{name}\" style=\"max-width:none\"");
+    format!(
+        "{}<map name=\"{name}\">{areas}</map>",
+        img(svg, alt, &extra)
+    )
 }
 
 /// A chart drawn (or not) as HTML: the image, or a comment saying why there is none.
@@ -127,14 +152,18 @@ pub fn svgs_in(html: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
-    const SVG: &str = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"10\">\
+    const SVG: &str = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"12\">\
                        <text>a &amp; b</text></svg>";
 
     #[test]
     fn an_image_carries_its_svg_whole_and_no_markup_of_it() {
         let html = image(SVG, "peak \"now\"");
         assert!(
-            html.starts_with("<img alt=\"peak &quot;now&quot;\" src=\"data:image/svg+xml;base64,")
+            html.starts_with(
+                "<img alt=\"peak &quot;now&quot;\" width=\"10\" height=\"12\" \
+                 src=\"data:image/svg+xml;base64,"
+            ),
+            "{html}"
         );
         assert!(!html.contains("<svg") && !html.contains("<text"), "{html}");
         assert_eq!(svgs_in(&html), vec![SVG.to_string()]);
@@ -169,9 +198,12 @@ mod tests {
         );
         assert!(html.contains("<area shape=\"circle\" coords=\"4,4,3\" title=\"peak\""));
         assert_eq!(svgs_in(&html), vec![SVG.to_string()]);
-        // Another chart, another map.
+        assert!(html.contains("style=\"max-width:none\""), "{html}");
+        // Another chart, another map; and the same chart with other hover text.
         let other = image_with_hovers(&SVG.replace('a', "c"), "timeline", &hovers);
         assert!(!other.contains(&format!("\"#{name}\"")));
+        let later = image_with_hovers(SVG, "timeline", &hovers[..1]);
+        assert!(!later.contains(&format!("\"#{name}\"")));
         // In a saved file the hovers are SVG titles.
         assert_eq!(
             hovers[1].svg(),

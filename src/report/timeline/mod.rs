@@ -307,6 +307,36 @@ mod tests {
     }
 
     #[test]
+    fn a_notebook_gets_the_chart_as_an_image_its_hover_text_in_a_map_the_peak_first() {
+        let timeline = failing_step();
+        let sources = CellSources::default();
+        let html = chart::html(&timeline, &sources, "t").unwrap();
+        let name = html
+            .split("usemap=\"#")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap();
+        let map = html
+            .split(&format!("<map name=\"{name}\">"))
+            .nth(1)
+            .unwrap();
+        assert!(map.starts_with("<area shape=\"circle\""), "{map}");
+        assert!(map.contains("largest allocation here: 128.0 MiB activations (made in forward)"));
+        // As many areas as the saved chart has hover titles.
+        let saved = svg(&timeline, &sources, "t").unwrap();
+        assert_eq!(
+            map.matches("<area ").count(),
+            saved.matches("<title>").count()
+        );
+        // The drawing itself has no hover layer: its text is in the map only.
+        let drawn = &crate::report::embed::svgs_in(&html)[0];
+        assert!(
+            !drawn.contains("<title>") && !html.contains("<svg"),
+            "{drawn}"
+        );
+    }
+
+    #[test]
     fn an_empty_trace_still_draws_and_says_so() {
         let timeline = build(Snapshot::default(), &TimelineCapture::default());
         let words = text(&timeline, &CellSources::default(), "t");
