@@ -104,13 +104,14 @@ NOTEBOOK_STATE = """() => {
     cells: cells.map(c => ({
       count: c.model.executionCount,
       tags: c.model.getMetadata('tags') ?? [],
-      outputs: c.model.outputs.toJSON().map(o => o.output_type === 'error'
-        ? {type: 'error', text: o.ename + ': ' + o.evalue}
-        : {type: o.output_type, mimes: Object.keys(o.data ?? {}),
-           svgs: ('image/svg+xml' in (o.data ?? {}) ? 1 : 0)
-                 + ((o.data ?? {})['text/html'] ?? '').toString().split('<svg').length - 1
-                 + ((o.data ?? {})['text/html'] ?? '').toString()
-                     .split('src="data:image/svg+xml').length - 1}),
+      outputs: c.model.outputs.toJSON().map(o => {
+        if (o.output_type === 'error') return {type: 'error', text: o.ename + ': ' + o.evalue};
+        const html = ((o.data ?? {})['text/html'] ?? '').toString();
+        return {type: o.output_type, mimes: Object.keys(o.data ?? {}),
+                svgs: ('image/svg+xml' in (o.data ?? {}) ? 1 : 0)
+                      + html.split('<svg').length - 1
+                      + html.split('src="data:image/svg+xml').length - 1};
+      }),
     })),
   };
 }"""

@@ -131,8 +131,13 @@ pub fn image_with_hovers(svg: &str, alt: &str, hovers: &[Hover]) -> String {
 pub fn chart_html(chart: Result<String, String>, alt: &str) -> String {
     match chart {
         Ok(svg) => image(&svg, alt),
-        Err(e) => format!("<!-- chart: {} -->", escape(&e)),
+        Err(why) => no_chart(&why),
     }
+}
+
+/// In place of a chart that could not be drawn: an HTML comment saying why.
+pub fn no_chart(why: &str) -> String {
+    format!("<!-- chart: {} -->", escape(why))
 }
 
 /// The SVG documents of the images in `html`, in order (what the tests read charts by).

@@ -111,7 +111,7 @@ pub fn cell_display(record: &MemoryRecord) -> Display {
     };
     data.insert("text/plain".into(), Value::String(text));
     let title = format!("{} after the cell", record.device);
-    let mut chart = embed::chart_html(chart_svg(record, None), &title);
+    let mut chart = embed::chart_html(chart_svg(record, Some(&title)), &title);
     if let Some(advice) = &advice {
         chart.push_str(&format!("<div>{}</div>", escape(advice)));
     }

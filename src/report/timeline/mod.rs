@@ -208,7 +208,7 @@ pub fn display(
     use serde_json::Value;
     let words = text(timeline, sources, title);
     let chart = chart::html(timeline, sources, title)
-        .unwrap_or_else(|e| format!("<!-- chart: {} -->", crate::report::escape(&e)));
+        .unwrap_or_else(|why| crate::report::embed::no_chart(&why));
     let mut html = format!("<div class=\"tchmem-timeline\">{chart}");
     if let Some(table) = sites_table(timeline, sources) {
         html.push_str(&table);
