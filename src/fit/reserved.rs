@@ -973,7 +973,8 @@ pub(crate) mod tests {
     /// Not a test but a study, run by hand: every replay in the study files of a GPU run
     /// (`TCHMEM_STUDY=DIR`, a run's `traces/` unpacked, see `results/gpu/2026-12-06-benchmark-twice/
     /// README.md`), with the calibration trials before it and the check after, as the replay
-    /// and as the lines alone predict the check's peak reserved in both segment orders.
+    /// and as the lines alone predict the check's peak reserved in both segment orders; a check
+    /// under `--accumulate K` against the plain trials' replay run as the rewrite runs it.
     #[test]
     #[ignore = "a study of a GPU run's files: TCHMEM_STUDY=DIR"]
     fn study_replays_against_their_checks() {
@@ -1028,7 +1029,16 @@ pub(crate) mod tests {
             let micro = replay["micro_batch"].as_u64().unwrap();
             let [s, l, a] = [*small, *large, after].map(|i| files[i].clone());
             let rewrites = a["rewrites"].clone();
-            if a["batch"].as_u64() != Some(micro) || s["rewrites"] != rewrites {
+            // `--accumulate K` checks run K micro-batches of the plain trials' loop.
+            let accumulate = rewrites
+                .as_str()
+                .and_then(|r| r.strip_prefix("--accumulate "))
+                .and_then(|k| k.parse::<u64>().ok())
+                .filter(|_| s["rewrites"] == "");
+            let checked_batch = micro * accumulate.unwrap_or(1);
+            if a["batch"].as_u64() != Some(checked_batch)
+                || (accumulate.is_none() && s["rewrites"] != rewrites)
+            {
                 println!("{name}: its check is another loop ({rewrites})");
                 continue;
             }
@@ -1041,8 +1051,34 @@ pub(crate) mod tests {
                 continue;
             };
             let off = |bytes: u64| 100.0 * error(bytes, a.peak_reserved);
-            let peaks = lines.peaks(micro, Some(&replayed), None).unwrap();
-            let (p1, p2) = lines.peak_reserved(micro, None, None).unwrap();
+            let parameters = &points[1].1.parameters;
+            let micro_batches = accumulate.map(|k| (&parameters[..], k));
+            let peaks = lines.peaks(micro, Some(&replayed), micro_batches).unwrap();
+            let (p1, p2) = lines.peak_reserved(micro, None, micro_batches).unwrap();
+            if accumulate.is_some() {
+                // What the model gives the check's own requests, and where the prediction's
+                // replay and the check reach their peaks (before their recorded steps or in them).
+                let own: Vec<AllocEvent> = a.trace.decoded().collect();
+                let ours = lines
+                    .events_for(micro, Some(&replayed), micro_batches)
+                    .unwrap();
+                let segments = &a.trace.segments;
+                let peak = |events: &[AllocEvent], order| {
+                    allocator::peak_reserved(segments, events.iter().copied(), order)
+                };
+                let before = |events: &[AllocEvent], trace: &AllocTrace| {
+                    let begins = trace.marks.first().map_or(0, |m| m.1);
+                    peak(&events[..begins], lines.order) >> 20
+                };
+                println!(
+                    "{name}: the check's own requests give {:+.1}% / {:+.1}%; before the recorded \
+                     step the replay reaches {} MiB, the check {} MiB",
+                    off(peak(&own, SegmentOrder::BOTH[0])),
+                    off(peak(&own, SegmentOrder::BOTH[1])),
+                    before(&ours, lines.large.trace),
+                    before(&own, &a.trace),
+                );
+            }
             println!(
                 "{name} {rewrites} {}→{}→{micro}: measured {} MiB; replay {:+.1}% ({:+.1}% in \
                  the other order, {:+.1}% to {:+.1}% placed between); lines {:+.1}% ({:+.1}%)",
