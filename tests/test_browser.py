@@ -106,11 +106,12 @@ NOTEBOOK_STATE = """() => {
       tags: c.model.getMetadata('tags') ?? [],
       outputs: c.model.outputs.toJSON().map(o => {
         if (o.output_type === 'error') return {type: 'error', text: o.ename + ': ' + o.evalue};
+        // JupyterLab renders an output's HTML where it has HTML and an SVG (tchmem adds the
+        // SVG as an HTML image): its charts are those of the HTML, else the SVG.
         const html = ((o.data ?? {})['text/html'] ?? '').toString();
+        const inHtml = html.split('<svg').length - 1 + html.split('src="data:image/svg+xml').length - 1;
         return {type: o.output_type, mimes: Object.keys(o.data ?? {}),
-                svgs: ('image/svg+xml' in (o.data ?? {}) ? 1 : 0)
-                      + html.split('<svg').length - 1
-                      + html.split('src="data:image/svg+xml').length - 1};
+                svgs: html ? inHtml : ('image/svg+xml' in (o.data ?? {}) ? 1 : 0)};
       }),
     })),
   };

@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import FIRST_CELL_TIMEOUT, executed_in_nbclient, tchmem_bin
+from conftest import FIRST_CELL_TIMEOUT, charts_in, executed_in_nbclient, tchmem_bin
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -46,6 +46,9 @@ def test_hello_notebook_shows_its_results():
     mimes = {m for c in code for o in c.outputs if o["output_type"] == "display_data"
              for m in o["data"]}
     assert {"text/html", "image/svg+xml", "application/vnd.tchmem.record+json"} <= mimes
+    # The loss curve (an SVG) carries an image of itself, which JupyterLab shows untrusted too.
+    curve = next(o["data"] for c in code for o in c.outputs if "image/svg+xml" in o.get("data", {}))
+    assert charts_in(curve["text/html"]) == [curve["image/svg+xml"]]
     records = [o["data"]["application/vnd.tchmem.record+json"] for c in code for o in c.outputs
                if "application/vnd.tchmem.record+json" in o.get("data", {})]
     parameters = {c["name"]: c["bytes"] for c in records[-1]["categories"]}["parameters"]

@@ -14,7 +14,7 @@ import zmq
 from jupyter_client.manager import start_new_kernel
 from jupyter_client.session import Session
 
-from conftest import (FIRST_CELL_TIMEOUT, KERNEL_NAME, complete, execute, outputs,
+from conftest import (FIRST_CELL_TIMEOUT, KERNEL_NAME, charts_in, complete, execute, outputs,
                       result_text, stream_text)
 
 # The memory summary some cells end with (%memprofile auto).
@@ -262,13 +262,15 @@ println!("after");
     assert kinds == [
         ("stream", "before\n"),
         ("display_data", ["text/html", "text/plain"]),
-        ("display_data", ["image/svg+xml", "text/plain"]),
+        ("display_data", ["image/svg+xml", "text/html", "text/plain"]),
         ("stream", "after\n"),
     ], kinds
     html, svg = outputs(messages, "display_data")
     assert html["data"]["text/html"] == "<b>first</b>\nline two"
     assert html["data"]["text/plain"] == "[HTML output]"
     assert svg["data"]["image/svg+xml"] == "<svg xmlns='http://www.w3.org/2000/svg'></svg>"
+    # An image of it too, which JupyterLab shows in a notebook it does not trust.
+    assert charts_in(svg["data"]["text/html"]) == [svg["data"]["image/svg+xml"]]
     assert "EVCXR" not in stream_text(messages)
 
 

@@ -100,12 +100,14 @@ fn img(svg: &str, alt: &str, extra: &str) -> String {
     )
 }
 
-/// The `width` or `height` the root `<svg>` element gives, in pixels.
+/// The `width` or `height` the root `<svg>` element gives, in pixels (in either quotes).
 fn svg_size(svg: &str, name: &str) -> Option<u32> {
     let root = &svg[svg.find("<svg")?..];
     let root = &root[..root.find('>')?];
-    let at = root.find(&format!(" {name}=\""))? + name.len() + 3;
-    root[at..].split('"').next()?.parse().ok()
+    ['"', '\''].iter().find_map(|&quote| {
+        let at = root.find(&format!(" {name}={quote}"))? + name.len() + 3;
+        root[at..].split(quote).next()?.parse().ok()
+    })
 }
 
 /// `svg` as an HTML image with `hovers` in an image map. The map's name comes from the chart and
@@ -172,6 +174,9 @@ mod tests {
         );
         assert!(!html.contains("<svg") && !html.contains("<text"), "{html}");
         assert_eq!(svgs_in(&html), vec![SVG.to_string()]);
+        // Sized from single quotes too, as hand-written SVG often has them.
+        let single = "<svg xmlns='http://www.w3.org/2000/svg' width='480' height='240'/>";
+        assert!(image(single, "").contains(" width=\"480\" height=\"240\" "));
     }
 
     #[test]

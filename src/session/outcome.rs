@@ -50,9 +50,12 @@ pub struct CellOutcome {
 }
 
 impl CellOutcome {
-    /// Takes the cell's result as a Jupyter bundle (JSON MIME types as JSON).
+    /// Takes the cell's result as a Jupyter bundle (JSON MIME types as JSON; an SVG as an
+    /// HTML image too, see [`super::rich::with_svg_image`]).
     pub fn take_result(&mut self) -> serde_json::Map<String, serde_json::Value> {
-        bundle(std::mem::take(&mut self.data))
+        let mut result = bundle(std::mem::take(&mut self.data));
+        super::rich::with_svg_image(&mut result);
+        result
     }
 
     /// Takes the help for the pager as a Jupyter bundle.

@@ -14,6 +14,8 @@
 use serde_json::{Map, Value};
 use tchmem_wire::{bundle_value, Display};
 
+use crate::report;
+
 /// One block: its MIME type and content.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
@@ -44,9 +46,23 @@ pub fn display(block: Block) -> Display {
     if let Some(plain) = plain {
         data.insert("text/plain".into(), Value::String(plain));
     }
+    with_svg_image(&mut data);
     Display {
         data,
         ..Default::default()
+    }
+}
+
+/// Adds an HTML image of a bundle's SVG where it has no HTML of its own. JupyterLab renders
+/// `image/svg+xml` only in a notebook it trusts (opened from a file someone else saved, a
+/// plot shows as "[SVG image]"), sanitized HTML in any, and prefers HTML where both are there.
+pub fn with_svg_image(data: &mut Map<String, Value>) {
+    if data.contains_key("text/html") {
+        return;
+    }
+    if let Some(Value::String(svg)) = data.get("image/svg+xml") {
+        let html = report::embed::image(svg, "SVG image");
+        data.insert("text/html".into(), Value::String(html));
     }
 }
 
@@ -116,7 +132,10 @@ impl Trailing {
 
 #[cfg(test)]
 mod tests {
-    use super::{display, Block, Trailing};
+    use serde_json::{json, Map, Value};
+
+    use super::{display, with_svg_image, Block, Trailing};
+    use crate::report::embed::svgs_in;
 
     fn block(mime: &str, content: &str) -> Block {
         Block {
@@ -208,5 +227,24 @@ mod tests {
         let plain = display(block("text/plain", "just text"));
         assert_eq!(plain.data.len(), 1);
         assert!(html.display_id.is_none() && !html.update);
+    }
+
+    #[test]
+    fn an_svg_shows_as_an_html_image_too_where_the_bundle_has_no_html() {
+        let svg = "<svg xmlns='http://www.w3.org/2000/svg' width='48' height='24'/>";
+        let shown = display(block("image/svg+xml", svg)).data;
+        assert_eq!(shown["image/svg+xml"], svg);
+        assert_eq!(shown["text/plain"], "[SVG image]");
+        let html = shown["text/html"].as_str().unwrap();
+        assert!(html.starts_with("<img alt=\"SVG image\" width=\"48\" height=\"24\""));
+        assert_eq!(svgs_in(html), vec![svg.to_string()]);
+        // A bundle's own HTML stays, and one without an SVG gets none.
+        let mut own: Map<String, Value> =
+            serde_json::from_value(json!({"image/svg+xml": svg, "text/html": "<b>mine</b>"}))
+                .unwrap();
+        with_svg_image(&mut own);
+        assert_eq!(own["text/html"], "<b>mine</b>");
+        let plain = display(block("text/markdown", "# a")).data;
+        assert!(!plain.contains_key("text/html"));
     }
 }

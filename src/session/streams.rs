@@ -262,7 +262,10 @@ fn classify(name: StreamName, line: String) -> Classified {
     if name == StreamName::Stdout {
         if let Some(Ok(message)) = CellMessage::from_line(&line) {
             return match message {
-                CellMessage::Display(display) => Classified::Output(CellOutput::Display(display)),
+                CellMessage::Display(mut display) => {
+                    rich::with_svg_image(&mut display.data);
+                    Classified::Output(CellOutput::Display(display))
+                }
                 CellMessage::ClearOutput { wait } => {
                     Classified::Output(CellOutput::ClearOutput { wait })
                 }
