@@ -22,6 +22,7 @@ mod parse_thread;
 mod report;
 mod rewrite;
 mod session;
+mod svg_image;
 mod timeline;
 
 use clap::Parser;

@@ -10,14 +10,10 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use data_encoding::BASE64;
-
 use super::escape;
-
-/// `text` for an attribute in double quotes.
-fn attribute(text: &str) -> String {
-    escape(text).replace('"', "&quot;")
-}
+#[cfg(test)]
+pub use crate::svg_image::svgs_in;
+use crate::svg_image::{attribute, img};
 
 /// A place on a chart that shows `text` under the pointer.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,30 +82,6 @@ pub fn image(svg: &str, alt: &str) -> String {
     img(svg, alt, "")
 }
 
-/// The `<img>`, with the SVG's own size (the page keeps its place while the image decodes: a
-/// live view replaces it every quarter second) and `extra` attributes.
-fn img(svg: &str, alt: &str, extra: &str) -> String {
-    let size: String = ["width", "height"]
-        .iter()
-        .filter_map(|name| Some(format!(" {name}=\"{}\"", svg_size(svg, name)?)))
-        .collect();
-    format!(
-        "<img alt=\"{}\"{size}{extra} src=\"data:image/svg+xml;base64,{}\">",
-        attribute(alt),
-        BASE64.encode(svg.as_bytes())
-    )
-}
-
-/// The `width` or `height` the root `<svg>` element gives, in pixels (in either quotes).
-fn svg_size(svg: &str, name: &str) -> Option<u32> {
-    let root = &svg[svg.find("<svg")?..];
-    let root = &root[..root.find('>')?];
-    ['"', '\''].iter().find_map(|&quote| {
-        let at = root.find(&format!(" {name}={quote}"))? + name.len() + 3;
-        root[at..].split(quote).next()?.parse().ok()
-    })
-}
-
 /// `svg` as an HTML image with `hovers` in an image map. The map's name comes from the chart and
 /// its hover text (two runs of one step draw the same chart at other times), so that two charts
 /// on one page (every open notebook is one page in JupyterLab) do not share one. The image keeps
@@ -142,42 +114,12 @@ pub fn no_chart(why: &str) -> String {
     format!("<!-- chart: {} -->", escape(why))
 }
 
-/// The SVG documents of the images in `html`, in order (what the tests read charts by).
-#[cfg(test)]
-pub fn svgs_in(html: &str) -> Vec<String> {
-    const SOURCE: &str = "src=\"data:image/svg+xml;base64,";
-    html.match_indices(SOURCE)
-        .filter_map(|(at, _)| {
-            let data = &html[at + SOURCE.len()..];
-            let data = &data[..data.find('"')?];
-            String::from_utf8(BASE64.decode(data.as_bytes()).ok()?).ok()
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const SVG: &str = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"12\">\
                        <text>a &amp; b</text></svg>";
-
-    #[test]
-    fn an_image_carries_its_svg_whole_and_no_markup_of_it() {
-        let html = image(SVG, "peak \"now\"");
-        assert!(
-            html.starts_with(
-                "<img alt=\"peak &quot;now&quot;\" width=\"10\" height=\"12\" \
-                 src=\"data:image/svg+xml;base64,"
-            ),
-            "{html}"
-        );
-        assert!(!html.contains("<svg") && !html.contains("<text"), "{html}");
-        assert_eq!(svgs_in(&html), vec![SVG.to_string()]);
-        // Sized from single quotes too, as hand-written SVG often has them.
-        let single = "<svg xmlns='http://www.w3.org/2000/svg' width='480' height='240'/>";
-        assert!(image(single, "").contains(" width=\"480\" height=\"240\" "));
-    }
 
     #[test]
     fn hovers_become_areas_of_a_map_the_image_names() {

@@ -14,7 +14,7 @@
 use serde_json::{Map, Value};
 use tchmem_wire::{bundle_value, Display};
 
-use crate::report;
+use crate::svg_image;
 
 /// One block: its MIME type and content.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub fn with_svg_image(data: &mut Map<String, Value>) {
         return;
     }
     if let Some(Value::String(svg)) = data.get("image/svg+xml") {
-        let html = report::embed::image(svg, "SVG image");
+        let html = svg_image::img(svg, "SVG image", "");
         data.insert("text/html".into(), Value::String(html));
     }
 }
@@ -135,7 +135,7 @@ mod tests {
     use serde_json::{json, Map, Value};
 
     use super::{display, with_svg_image, Block, Trailing};
-    use crate::report::embed::svgs_in;
+    use crate::svg_image::svgs_in;
 
     fn block(mime: &str, content: &str) -> Block {
         Block {
