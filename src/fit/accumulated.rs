@@ -31,7 +31,7 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
     }
     let lives = Lives::of(trace);
     let gradients: u64 = parameters.iter().map(|p| rounded(p.bytes())).sum();
-    let is_gradient = lives.gradients(step_begins, parameters);
+    let is_gradient = lives.gradients(step_begins, trace.events.len(), parameters);
     // The last step's gradients, alive when the step began.
     let mut gradients_alive: u64 = (0..lives.sizes.len())
         .filter(|&k| is_gradient[k] && !lives.made_from(k, step_begins))
@@ -67,95 +67,296 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
     Some(held_peak.saturating_sub(plain_peak).min(gradients))
 }
 
-/// The allocator's events of a step split into `k` micro-batches, made from a plain trial's
-/// (from its beginning to the end of its recorded step, at any sizes: `events`, numbered as
-/// `trace`'s), as the kernel's `--accumulate` rewrite runs it: `zero_grad` first, so the last
-/// step's gradients are freed before the first micro-batch's forward pass (a plain step frees
-/// them after it, and its backward pass puts the new ones in their blocks), then the recorded
-/// step once per micro-batch; from the second on, each gradient backward makes is a temporary
-/// added into the one the first made, and the tensors a micro-batch leaves alive (its loss,
-/// its output) are freed where the next frees the last step's, or as it begins where the
-/// recorded step frees none of their size (the loop dropped the last step's before its first
-/// operator). `None` without a recorded step or parameters, or with `events` not the trace's.
+/// The allocator's events of a plain trial's loop (from its beginning to the end of its
+/// recorded step, at any sizes: `events`, numbered as `trace`'s) with each step split into `k`
+/// micro-batches, as the kernel's `--accumulate` rewrite runs it: `zero_grad` first, so the
+/// last step's gradients are freed before the first micro-batch's forward pass (a plain step
+/// frees them after it, and its backward pass puts the new ones in their blocks), then the step
+/// once per micro-batch; from the second on, each gradient backward makes is a temporary added
+/// into the one the first made, and the tensors a micro-batch leaves alive (its loss, its
+/// output) are freed where the next frees the last step's, or as it begins where the step
+/// frees none of their size (the loop dropped the last step's before its first operator).
+/// What a step makes that no later event frees (the optimizer's state, made by its first step)
+/// is made once, by the last micro-batch. The steps before the recorded one run as they ran, or
+/// split as it is ([`Earlier`]). `None` without a recorded step or parameters, or with `events`
+/// not the trace's.
 pub fn micro_batched(
     trace: &AllocTrace,
     parameters: &[ParamShape],
     events: &[AllocEvent],
     k: u64,
+    earlier: Earlier,
 ) -> Option<Vec<AllocEvent>> {
-    let step_begins = trace.marks.first()?.1;
+    let recorded = trace.marks.first()?.1;
     if parameters.is_empty()
         || events.len() != trace.events.len()
-        || step_begins >= events.len()
+        || recorded >= events.len()
         || k < 2
     {
         return None;
     }
     let lives = Lives::of(trace);
-    let is_gradient = lives.gradients(step_begins, parameters);
-    let made_in_step = |k: usize| lives.made_from(k, step_begins);
-    // What the step frees of what the last step left (not gradients), each paired with what
-    // this step leaves of that size, in order: a later micro-batch frees the earlier one's.
-    let left = |k: usize| made_in_step(k) && lives.spans[k].1.is_none() && !is_gradient[k];
-    let left_by_step: Vec<usize> = (0..lives.sizes.len()).filter(|&k| left(k)).collect();
-    let mut leftovers: HashMap<u64, Vec<usize>> = HashMap::new();
-    for &k in &left_by_step {
-        leftovers.entry(lives.sizes[k]).or_default().push(k);
-    }
-    let mut pairs: HashMap<usize, usize> = HashMap::new();
-    for event in &events[step_begins..] {
-        if let AllocEvent::Free(k) = *event {
-            if k < lives.sizes.len() && !made_in_step(k) && !is_gradient[k] {
-                if let Some(same) = leftovers.get_mut(&lives.sizes[k]).filter(|v| !v.is_empty()) {
-                    pairs.insert(k, same.remove(0));
-                }
-            }
-        }
-    }
-    let is_last_gradient = |k: usize| k < is_gradient.len() && is_gradient[k] && !made_in_step(k);
-    let step = &events[step_begins..];
-    let mut out: Vec<AllocEvent> = events[..step_begins].to_vec();
-    // The first micro-batch: the last step's gradients freed first.
-    let (zero_grad, rest): (Vec<AllocEvent>, Vec<AllocEvent>) = step
+    let starts = match earlier {
+        Earlier::AsTheyRan => vec![recorded],
+        Earlier::Split => step_starts(trace, recorded),
+    };
+    let mut out: Vec<Made> = events[..starts[0]]
         .iter()
-        .partition(|e| matches!(**e, AllocEvent::Free(k) if is_last_gradient(k)));
-    out.extend(zero_grad);
-    out.extend(rest);
-    // Each later one, its allocations numbered after every earlier one's.
-    let mut next = lives.sizes.len();
-    let mut earlier: HashMap<usize, usize> = HashMap::new();
-    let paired: HashSet<usize> = pairs.values().copied().collect();
-    for _ in 1..k {
-        // What the earlier micro-batch left that no free in the step stands for (the last
-        // step's copy went before the step's first operator): gone as this one begins.
-        let unpaired = left_by_step.iter().filter(|k| !paired.contains(k));
-        out.extend(unpaired.map(|k| AllocEvent::Free(*earlier.get(k).unwrap_or(k))));
-        let mut this: HashMap<usize, usize> = HashMap::new();
-        for (at, event) in step.iter().enumerate() {
-            match *event {
-                AllocEvent::Alloc(bytes) => {
-                    let old = lives.allocation_at[step_begins + at];
-                    out.push(AllocEvent::Alloc(bytes));
-                    this.insert(old, next);
-                    if is_gradient.get(old).copied().unwrap_or(false) {
-                        out.push(AllocEvent::Free(next));
-                    }
+        .enumerate()
+        .map(|(at, event)| Made::of(*event, lives.allocation_at[at]))
+        .collect();
+    let mut numbers = Numbers {
+        now: HashMap::new(),
+        next: lives.sizes.len(),
+    };
+    for (i, &begins) in starts.iter().enumerate() {
+        let ends = starts.get(i + 1).copied().unwrap_or(events.len());
+        let step = Step::of(&lives, begins..ends, events.len(), parameters);
+        step.split(&events[begins..ends], k, &mut numbers, &mut out);
+    }
+    Some(Made::numbered(&out, lives.held_at_start()))
+}
+
+/// An event of the split loop, its allocation named by the number it has in the trace (the
+/// first micro-batch's) or by a number after the trace's (a later micro-batch's copy).
+#[derive(Debug, Clone, Copy)]
+enum Made {
+    Alloc(usize, u64),
+    Free(usize),
+}
+
+impl Made {
+    /// The trace's event; `number` is the allocation's where it is one.
+    fn of(event: AllocEvent, number: usize) -> Made {
+        match event {
+            AllocEvent::Alloc(bytes) => Made::Alloc(number, bytes),
+            AllocEvent::Free(k) => Made::Free(k),
+        }
+    }
+
+    /// The events as the allocator takes them: allocations numbered in order after the
+    /// `held` blocks in use at the start.
+    fn numbered(events: &[Made], held: usize) -> Vec<AllocEvent> {
+        let mut order: HashMap<usize, usize> = HashMap::new();
+        let mut next = held;
+        events
+            .iter()
+            .map(|event| match *event {
+                Made::Alloc(name, bytes) => {
+                    order.insert(name, next);
                     next += 1;
+                    AllocEvent::Alloc(bytes)
                 }
-                AllocEvent::Free(k) if is_last_gradient(k) => {}
-                AllocEvent::Free(k) => {
-                    let freed = match this.get(&k) {
-                        Some(&new) => Some(new),
-                        // The earlier micro-batch's leftover of this size.
-                        None => pairs.get(&k).map(|p| *earlier.get(p).unwrap_or(p)),
-                    };
-                    out.extend(freed.map(AllocEvent::Free));
+                // One held at the start keeps its number; one never made stays unplaced.
+                Made::Free(name) => AllocEvent::Free(match order.get(&name) {
+                    Some(&number) => number,
+                    None if name < held => name,
+                    None => usize::MAX,
+                }),
+            })
+            .collect()
+    }
+}
+
+/// What becomes of the steps before the recorded one in a replay of a loop that accumulates.
+///
+/// The first steps make the gradients and the optimizer's state, and set the peak reserved of
+/// many loops; they are not recorded (no marks), so where they begin and what they make is
+/// read from their requests. Split as the recorded step is, the replay put cifar's resnet under
+/// cuDNN's benchmark mode at 338 MiB where its check reserved 340 and the steps as they ran said
+/// 392; yet the VGG-style net's at 1102 MiB where the check reserved 1248 and as they ran said
+/// 1204 (`results/gpu/2026-12-07-corpus-h100/`). Over the 44 such checks of the runs under
+/// `results/gpu/` each was within 5% in 41; neither is the better guide, so the estimate takes
+/// both as the ends of its range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Earlier {
+    /// As the plain trial ran them: only the recorded step split.
+    AsTheyRan,
+    /// Each split as the recorded step is, found where its first requests recur
+    /// ([`step_starts`]).
+    Split,
+}
+
+/// How many of the recorded step's first requests mark where an earlier step began.
+const STEP_HEAD: usize = 8;
+
+/// Where each step of the trace begins, the recorded one last: the earlier ones where the
+/// recorded step's first [`STEP_HEAD`] requests recur size for size (a loop's step begins with
+/// the same operators: its batch, its first layer), each at least half a recorded step's events
+/// after the one before. Only the recorded step where they do not recur.
+fn step_starts(trace: &AllocTrace, recorded: usize) -> Vec<usize> {
+    let requests: Vec<(usize, u64)> = trace
+        .decoded()
+        .enumerate()
+        .filter_map(|(at, event)| match event {
+            AllocEvent::Alloc(bytes) => Some((at, bytes)),
+            AllocEvent::Free(_) => None,
+        })
+        .collect();
+    let first = requests.partition_point(|&(at, _)| at < recorded);
+    let head: Vec<u64> = requests[first..]
+        .iter()
+        .take(STEP_HEAD)
+        .map(|r| r.1)
+        .collect();
+    let gap = (trace.events.len() - recorded) / 2;
+    let mut starts: Vec<usize> = Vec::new();
+    if head.len() == STEP_HEAD {
+        for j in 0..first.saturating_sub(STEP_HEAD - 1) {
+            let at = requests[j].0;
+            let recurs = requests[j..j + STEP_HEAD]
+                .iter()
+                .map(|r| r.1)
+                .eq(head.iter().copied());
+            let apart = starts.last().is_none_or(|&last| at >= last + gap);
+            if recurs && apart && at + gap <= recorded {
+                starts.push(at);
+            }
+        }
+    }
+    starts.push(recorded);
+    starts
+}
+
+/// The numbers the allocations of the steps split so far go by: the later micro-batches' copies
+/// are numbered after every allocation of the trace, and a step's tensors left for the next
+/// step (its loss, its output) are its last micro-batch's copies.
+struct Numbers {
+    /// An allocation's number now, where a copy stands for it.
+    now: HashMap<usize, usize>,
+    next: usize,
+}
+
+impl Numbers {
+    fn of(&self, k: usize) -> usize {
+        self.now.get(&k).copied().unwrap_or(k)
+    }
+}
+
+/// One step of the trace (events `range`), its allocations sorted by what the rewrite does with
+/// them.
+struct Step<'a> {
+    lives: &'a Lives,
+    range: std::ops::Range<usize>,
+    is_gradient: Vec<bool>,
+    /// Made here and freed by a later step, not a gradient (its loss, its output), in order.
+    left: Vec<usize>,
+    /// Made here and never freed, in a step before the recorded one (the optimizer's state).
+    kept: HashSet<usize>,
+}
+
+impl<'a> Step<'a> {
+    fn of(
+        lives: &'a Lives,
+        range: std::ops::Range<usize>,
+        trace_end: usize,
+        parameters: &[ParamShape],
+    ) -> Step<'a> {
+        let is_gradient = lives.gradients_in(range.clone(), trace_end, parameters);
+        let last = range.end == trace_end;
+        let made_here = |k: usize| lives.made_in(k, &range);
+        let freed_later = |k: usize| lives.spans[k].1.is_some_and(|f| f >= range.end);
+        let never_freed = |k: usize| lives.spans[k].1.is_none();
+        let survives = |k: usize| if last { never_freed(k) } else { freed_later(k) };
+        let all = 0..lives.sizes.len();
+        let left = all
+            .clone()
+            .filter(|&k| made_here(k) && survives(k) && !is_gradient[k])
+            .collect();
+        let kept = all
+            .filter(|&k| !last && made_here(k) && never_freed(k) && !is_gradient[k])
+            .collect();
+        Step {
+            lives,
+            range,
+            is_gradient,
+            left,
+            kept,
+        }
+    }
+
+    /// Appends the step's `events`, split into `k` micro-batches, to `out`.
+    fn split(&self, events: &[AllocEvent], k: u64, numbers: &mut Numbers, out: &mut Vec<Made>) {
+        let lives = self.lives;
+        let made_here = |a: usize| lives.made_in(a, &self.range);
+        let is_last_gradient =
+            |a: usize| a < self.is_gradient.len() && self.is_gradient[a] && !made_here(a);
+        // What the step frees of what the last step left (not gradients), each paired with what
+        // this step leaves of that size, in order: a later micro-batch frees the earlier one's.
+        let mut leftovers: HashMap<u64, Vec<usize>> = HashMap::new();
+        for &a in &self.left {
+            leftovers.entry(lives.sizes[a]).or_default().push(a);
+        }
+        let mut pairs: HashMap<usize, usize> = HashMap::new();
+        for event in events {
+            if let AllocEvent::Free(a) = *event {
+                if a < lives.sizes.len() && !made_here(a) && !self.is_gradient[a] {
+                    if let Some(same) = leftovers.get_mut(&lives.sizes[a]).filter(|v| !v.is_empty())
+                    {
+                        pairs.insert(a, same.remove(0));
+                    }
                 }
             }
         }
-        earlier = this;
+        // The first micro-batch: the last step's gradients freed first, the rest as they ran
+        // (what the step keeps is made by the last micro-batch), by their own numbers.
+        let zero_grad = events.iter().filter_map(|e| match *e {
+            AllocEvent::Free(a) if is_last_gradient(a) => Some(Made::Free(numbers.of(a))),
+            _ => None,
+        });
+        out.extend(zero_grad);
+        for (offset, event) in events.iter().enumerate() {
+            let number = lives.allocation_at[self.range.start + offset];
+            match *event {
+                AllocEvent::Free(a) if is_last_gradient(a) => {}
+                AllocEvent::Free(a) => out.push(Made::Free(numbers.of(a))),
+                AllocEvent::Alloc(_) if self.kept.contains(&number) => {}
+                AllocEvent::Alloc(bytes) => out.push(Made::Alloc(number, bytes)),
+            }
+        }
+        let mut earlier: HashMap<usize, usize> = HashMap::new();
+        let paired: HashSet<usize> = pairs.values().copied().collect();
+        for micro in 1..k {
+            let is_last_micro = micro == k - 1;
+            // What the earlier micro-batch left that no free in the step stands for (the last
+            // step's copy went before the step's first operator): gone as this one begins.
+            let unpaired = self.left.iter().filter(|a| !paired.contains(a));
+            out.extend(unpaired.map(|a| Made::Free(*earlier.get(a).unwrap_or(a))));
+            let mut this: HashMap<usize, usize> = HashMap::new();
+            for (offset, event) in events.iter().enumerate() {
+                match *event {
+                    AllocEvent::Alloc(bytes) => {
+                        let old = lives.allocation_at[self.range.start + offset];
+                        if self.kept.contains(&old) && !is_last_micro {
+                            continue;
+                        }
+                        out.push(Made::Alloc(numbers.next, bytes));
+                        this.insert(old, numbers.next);
+                        if self.is_gradient.get(old).copied().unwrap_or(false) {
+                            out.push(Made::Free(numbers.next));
+                        }
+                        numbers.next += 1;
+                    }
+                    AllocEvent::Free(a) if is_last_gradient(a) => {}
+                    AllocEvent::Free(a) => {
+                        let freed = match this.get(&a) {
+                            Some(&new) => Some(new),
+                            // The earlier micro-batch's leftover of this size.
+                            None => pairs.get(&a).map(|p| *earlier.get(p).unwrap_or(p)),
+                        };
+                        out.extend(freed.map(Made::Free));
+                    }
+                }
+            }
+            earlier = this;
+        }
+        // The next step frees the last micro-batch's leftovers; what the step keeps is its.
+        for a in self.left.iter().chain(&self.kept) {
+            if let Some(&copy) = earlier.get(a) {
+                numbers.now.insert(*a, copy);
+            }
+        }
     }
-    Some(out)
 }
 
 /// Each allocation's rounded size and the events that made and freed it.
@@ -204,18 +405,50 @@ impl Lives {
         self.spans[k].0.is_some_and(|made| made >= at)
     }
 
-    /// Which allocations are gradients (see [`added_by_accumulation`]): those made from
-    /// `step_begins` on and never freed, newest first, and those alive when it began and
-    /// freed before the first of them was made, each matching a parameter's size.
-    fn gradients(&self, step_begins: usize, parameters: &[ParamShape]) -> Vec<bool> {
+    /// How many blocks were in use when the trace began (numbered first).
+    fn held_at_start(&self) -> usize {
+        self.spans
+            .iter()
+            .take_while(|span| span.0.is_none())
+            .count()
+    }
+
+    /// Whether allocation `k` was made by an event of `range`.
+    fn made_in(&self, k: usize, range: &std::ops::Range<usize>) -> bool {
+        self.spans[k].0.is_some_and(|made| range.contains(&made))
+    }
+
+    /// Which allocations are gradients of the recorded step (see [`added_by_accumulation`]),
+    /// which runs from `step_begins` to the end of the trace (`trace_end` events).
+    fn gradients(
+        &self,
+        step_begins: usize,
+        trace_end: usize,
+        parameters: &[ParamShape],
+    ) -> Vec<bool> {
+        self.gradients_in(step_begins..trace_end, trace_end, parameters)
+    }
+
+    /// Which allocations are the gradients of the step of events `step` (of a trace of
+    /// `trace_end` events): those it made that outlive it, newest first (the trace's last step:
+    /// never freed; an earlier one: freed by a later step, as the optimizer's state is not),
+    /// and those alive when it began and freed in it before the first of them was made, each
+    /// matching a parameter's size.
+    fn gradients_in(
+        &self,
+        step: std::ops::Range<usize>,
+        trace_end: usize,
+        parameters: &[ParamShape],
+    ) -> Vec<bool> {
+        let outlives = |k: usize| match self.spans[k].1 {
+            None => step.end == trace_end,
+            Some(freed) => freed >= step.end && step.end < trace_end,
+        };
         let mut is_gradient = vec![false; self.sizes.len()];
         let mut sizes = SizeCounts::of(parameters);
         let mut first_made = None;
         for k in (0..self.sizes.len()).rev() {
-            if self.made_from(k, step_begins)
-                && self.spans[k].1.is_none()
-                && sizes.take(self.sizes[k])
-            {
+            if self.made_in(k, &step) && outlives(k) && sizes.take(self.sizes[k]) {
                 is_gradient[k] = true;
                 first_made = self.spans[k].0;
             }
@@ -223,9 +456,9 @@ impl Lives {
         let mut sizes = SizeCounts::of(parameters);
         for (k, gradient) in is_gradient.iter_mut().enumerate() {
             let freed_before_new = self.spans[k].1.is_some_and(|freed| {
-                freed >= step_begins && first_made.is_none_or(|first| freed < first)
+                step.contains(&freed) && first_made.is_none_or(|first| freed < first)
             });
-            if !self.made_from(k, step_begins) && freed_before_new && sizes.take(self.sizes[k]) {
+            if !self.made_from(k, step.start) && freed_before_new && sizes.take(self.sizes[k]) {
                 *gradient = true;
             }
         }
@@ -418,7 +651,7 @@ mod tests {
             marks: vec![(0, 0)],
         };
         let events: Vec<AllocEvent> = trace.decoded().collect();
-        let two = micro_batched(&trace, &parameters(), &events, 2).unwrap();
+        let two = micro_batched(&trace, &parameters(), &events, 2, Earlier::Split).unwrap();
         let a = |n: u64| AllocEvent::Alloc(n * MIB);
         use AllocEvent::Free;
         // zero_grad first; the second micro-batch's allocations are 7-9, its gradients
@@ -449,10 +682,69 @@ mod tests {
             &trace,
             &parameters(),
             &trace.decoded().collect::<Vec<_>>(),
-            1
+            1,
+            Earlier::Split
         )
         .is_none());
-        assert!(micro_batched(&trace, &[], &trace.decoded().collect::<Vec<_>>(), 2).is_none());
+        assert!(micro_batched(
+            &trace,
+            &[],
+            &trace.decoded().collect::<Vec<_>>(),
+            2,
+            Earlier::Split
+        )
+        .is_none());
+    }
+
+    #[test]
+    fn the_first_step_is_split_too_and_the_optimizers_state_is_made_once() {
+        // A 4 MiB parameter held (0). Each step makes eight activations of 1-8 KiB (its head)
+        // and frees them; the first then makes the gradient (9) and the momentum (10), which
+        // nothing frees; the recorded step frees the last gradient after its forward pass and
+        // makes a new one.
+        let kib = |n: i64| n * 1024;
+        let free = |k: i64| -(k + 1);
+        let mut events: Vec<i64> = (1..=8).map(kib).collect();
+        events.extend((1..=8).map(free));
+        events.extend([4 * MIB as i64, 4 * MIB as i64]);
+        let recorded = events.len();
+        events.extend((1..=8).map(kib));
+        events.push(free(9));
+        events.extend((11..=18).map(free));
+        events.push(4 * MIB as i64);
+        let trace = AllocTrace {
+            segments: vec![Segment {
+                large: true,
+                blocks: vec![(4 * MIB, true)],
+            }],
+            events,
+            marks: vec![(0, recorded)],
+        };
+        let one = &parameters()[..1];
+        let plain: Vec<AllocEvent> = trace.decoded().collect();
+        use AllocEvent::{Alloc, Free};
+        let head = || (1..=8).map(|n| Alloc(n * 1024));
+        let frees = |from: usize| (from..from + 8).map(Free);
+        let step =
+            |first_acts: usize| -> Vec<AllocEvent> { head().chain(frees(first_acts)).collect() };
+        // Split: the first step's second micro-batch makes its gradient as a temporary and the
+        // momentum once; the recorded step frees the first step's gradient before its forward.
+        let split = micro_batched(&trace, one, &plain, 2, Earlier::Split).unwrap();
+        let mut expected = step(1);
+        expected.push(Alloc(4 * MIB));
+        expected.extend(step(10));
+        expected.extend([Alloc(4 * MIB), Free(18), Alloc(4 * MIB)]);
+        expected.push(Free(9));
+        expected.extend(step(20));
+        expected.push(Alloc(4 * MIB));
+        expected.extend(step(29));
+        expected.extend([Alloc(4 * MIB), Free(37)]);
+        assert_eq!(split, expected);
+        // As they ran: the first step as the trial ran it, the recorded one split.
+        let ran = micro_batched(&trace, one, &plain, 2, Earlier::AsTheyRan).unwrap();
+        assert_eq!(ran[..recorded], plain[..recorded]);
+        assert_eq!(ran[recorded], Free(9));
+        assert_eq!(step_starts(&trace, recorded), vec![0, recorded]);
     }
 
     #[test]
@@ -472,7 +764,7 @@ mod tests {
         };
         let one = &parameters()[..1];
         let events: Vec<AllocEvent> = trace.decoded().collect();
-        let three = micro_batched(&trace, one, &events, 3).unwrap();
+        let three = micro_batched(&trace, one, &events, 3, Earlier::Split).unwrap();
         let a = |n: u64| AllocEvent::Alloc(n * MIB);
         use AllocEvent::Free;
         let expected = [
@@ -491,6 +783,6 @@ mod tests {
         ];
         assert_eq!(three, expected);
         // Events that are not the trace's: nothing to make.
-        assert!(micro_batched(&trace, one, &events[1..], 3).is_none());
+        assert!(micro_batched(&trace, one, &events[1..], 3, Earlier::Split).is_none());
     }
 }

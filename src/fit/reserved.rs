@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use tchmem_wire::alloc_trace::{AllocEvent, AllocTrace};
 use tchmem_wire::estimate::ParamShape;
 
-use super::accumulated;
+use super::accumulated::{self, Earlier};
 use super::allocator::{self, SegmentOrder};
 use super::op_peak::Replayed;
 use super::request_pairs;
@@ -354,17 +354,25 @@ impl<'a> ReservedLines<'a> {
     /// ([`SegmentOrder::Scattered`]), which the device may take as well (where the orders
     /// disagree, the estimate's range is theirs, and the placements are not tried). With
     /// `micro_batches` (the model's parameters and how many
-    /// micro-batches make a step), the recorded step is replayed as a loop that accumulates runs
-    /// it (see [`accumulated::micro_batched`]); `None` where it cannot be.
+    /// micro-batches make a step), the loop is replayed as one that accumulates runs it (see
+    /// [`accumulated::micro_batched`]), every step split, and once more with the steps before the
+    /// recorded one as they ran; `None` where it cannot be.
     pub fn peaks(
         &self,
         micro: u64,
         replayed: Option<&Replayed>,
         micro_batches: Option<(&[ParamShape], u64)>,
     ) -> Option<ReservedPeaks> {
-        let events = self.events_for(micro, replayed, micro_batches)?;
+        let events = self.events_for(micro, replayed, micro_batches, Earlier::Split)?;
         let segments = &self.large.trace.segments;
         let replay = |order| allocator::peak_reserved(segments, events.iter().copied(), order);
+        let as_they_ran = match micro_batches {
+            Some(_) => {
+                let events = self.events_for(micro, replayed, micro_batches, Earlier::AsTheyRan)?;
+                Some(allocator::peak_reserved(segments, events, self.order))
+            }
+            None => None,
+        };
         let (first, other) = (replay(self.order), replay(self.order.other()));
         let orders = (first.min(other), first.max(other));
         let placements = if first == other {
@@ -378,6 +386,7 @@ impl<'a> ReservedLines<'a> {
             first,
             other,
             placements,
+            first_steps_as_they_ran: as_they_ran,
         })
     }
 
@@ -387,6 +396,7 @@ impl<'a> ReservedLines<'a> {
         micro: u64,
         replayed: Option<&Replayed>,
         micro_batches: Option<(&[ParamShape], u64)>,
+        earlier: Earlier,
     ) -> Option<Vec<AllocEvent>> {
         tracing::debug!(
             "reserved at {micro}: {} and {} requests, {:.1}% lined up",
@@ -398,7 +408,7 @@ impl<'a> ReservedLines<'a> {
         let events = self.events_at(&sizes);
         match micro_batches {
             Some((parameters, k)) => {
-                accumulated::micro_batched(self.large.trace, parameters, &events, k)
+                accumulated::micro_batched(self.large.trace, parameters, &events, k, earlier)
             }
             None => Some(events),
         }
@@ -415,6 +425,9 @@ pub struct ReservedPeaks {
     /// The least and the most over both orders and, where they agree, the scattered
     /// placements.
     pub placements: (u64, u64),
+    /// For a loop that accumulates, in the first order with the steps before the recorded one
+    /// as they ran (the others split them: see [`accumulated::Earlier`]).
+    pub first_steps_as_they_ran: Option<u64>,
 }
 
 /// The sizes an operator's requests in a trial's step (predicted on their lines: `lines`) take
@@ -1060,7 +1073,7 @@ pub(crate) mod tests {
                 // replay and the check reach their peaks (before their recorded steps or in them).
                 let own: Vec<AllocEvent> = a.trace.decoded().collect();
                 let ours = lines
-                    .events_for(micro, Some(&replayed), micro_batches)
+                    .events_for(micro, Some(&replayed), micro_batches, Earlier::Split)
                     .unwrap();
                 let segments = &a.trace.segments;
                 let peak = |events: &[AllocEvent], order| {

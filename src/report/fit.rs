@@ -329,6 +329,7 @@ fn range_reason(source: CacheSource) -> &'static str {
         CacheSource::RulesMissedTrial => "rules_missed_trial",
         CacheSource::RulesSegmentOrder => "segment_order",
         CacheSource::RulesSegmentPlacement => "segment_placement",
+        CacheSource::RulesFirstSteps => "first_steps",
     }
 }
 
@@ -414,6 +415,12 @@ fn prediction_lines(prediction: &Prediction) -> String {
             "which cached block the allocator reuses depends on where the device puts new \
              segments, unknown ahead: above or below the old ones they give the point, placed \
              between them another peak, which a run may take"
+        }
+        CacheSource::RulesFirstSteps => {
+            "the loop's first steps make the gradients and the optimizer's state, unrecorded: \
+             split into micro-batches as the rewrite runs them they give one end, as the plain \
+             trials ran them the other, and a run's peak has landed near either; the point is off \
+             by the same percentage whichever it takes"
         }
         CacheSource::Scaled | CacheSource::Rules => {
             "the calibration trials' caches disagree (the allocator's segments did not grow with \
@@ -1297,6 +1304,11 @@ mod tests {
                 "where the device puts new segments, unknown ahead, and at this batch that \
                  changes the peak: a run's peak usually lands near one end or the other, and the \
                  point is off by the same percentage whichever it takes",
+            ),
+            (
+                CacheSource::RulesFirstSteps,
+                "split into micro-batches as the rewrite runs them they give one end, as the \
+                 plain trials ran them the other",
             ),
             (
                 CacheSource::RulesSegmentPlacement,
