@@ -165,9 +165,9 @@ impl Made {
 /// read from their requests. Split as the recorded step is, the replay put cifar's resnet under
 /// cuDNN's benchmark mode at 338 MiB where its check reserved 340 and the steps as they ran said
 /// 392; yet the VGG-style net's at 1102 MiB where the check reserved 1248 and as they ran said
-/// 1204 (`results/gpu/2026-12-07-corpus-h100/`). Over the 44 such checks of the runs under
-/// `results/gpu/` each was within 5% in 41; neither is the better guide, so the estimate takes
-/// both as the ends of its range.
+/// 1204 (`results/gpu/2026-12-07-corpus-h100/`). Over the 44 such checks in the traces of the
+/// runs under `results/gpu/`, 41 were within 5% either way; neither is the better guide, so the
+/// estimate takes both as the ends of its range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Earlier {
     /// As the plain trial ran them: only the recorded step split.
@@ -228,6 +228,7 @@ struct Numbers {
 }
 
 impl Numbers {
+    /// The number allocation `k` of the trace goes by now.
     fn of(&self, k: usize) -> usize {
         self.now.get(&k).copied().unwrap_or(k)
     }
