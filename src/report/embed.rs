@@ -117,9 +117,7 @@ pub fn no_chart(why: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const SVG: &str = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"12\">\
-                       <text>a &amp; b</text></svg>";
+    use crate::svg_image::tests::SVG;
 
     #[test]
     fn hovers_become_areas_of_a_map_the_image_names() {
