@@ -76,8 +76,8 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
 /// into the one the first made, and the tensors a micro-batch leaves alive (its loss, its
 /// output) are freed where the next frees the last step's, or as it begins where the step
 /// frees none of their size (the loop dropped the last step's before its first operator).
-/// What a step makes that no later event frees (the optimizer's state, made by its first step)
-/// is made once, by the last micro-batch. The steps before the recorded one run as they ran, or
+/// What a step makes after its gradients that no later event frees (the optimizer's state, made
+/// by its first step) is made once, by the last micro-batch. The steps before the recorded one run as they ran, or
 /// split as it is ([`Earlier`]). `None` without a recorded step or parameters, or with `events`
 /// not the trace's.
 pub fn micro_batched(
@@ -107,6 +107,7 @@ pub fn micro_batched(
         .collect();
     let mut numbers = Numbers {
         now: HashMap::new(),
+        traced: lives.sizes.len(),
         next: lives.sizes.len(),
     };
     for (i, &begins) in starts.iter().enumerate() {
@@ -165,9 +166,9 @@ impl Made {
 /// read from their requests. Split as the recorded step is, the replay put cifar's resnet under
 /// cuDNN's benchmark mode at 338 MiB where its check reserved 340 and the steps as they ran said
 /// 392; yet the VGG-style net's at 1102 MiB where the check reserved 1248 and as they ran said
-/// 1204 (`results/gpu/2026-12-07-corpus-h100/`). Over the 44 such checks in the traces of the
-/// runs under `results/gpu/`, 41 were within 5% either way; neither is the better guide, so the
-/// estimate takes both as the ends of its range.
+/// 1204 (`results/gpu/2026-12-07-corpus-h100/`). Neither is the better guide over the 44 such
+/// checks in the traces of the runs under `results/gpu/`, so the estimate takes both as the
+/// ends of its range (`docs/fit.md` gives the counts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Earlier {
     /// As the plain trial ran them: only the recorded step split.
@@ -183,7 +184,12 @@ const STEP_HEAD: usize = 8;
 /// Where each step of the trace begins, the recorded one last: the earlier ones where the
 /// recorded step's first [`STEP_HEAD`] requests recur size for size (a loop's step begins with
 /// the same operators: its batch, its first layer), each at least half a recorded step's events
-/// after the one before. Only the recorded step where they do not recur.
+/// after the one before; the frees between two steps' requests stay with the step before, as
+/// those before the recorded step's first operator do (beginning each step just after the
+/// request before its head instead, a `zero_grad` at the top of the loop would free the last
+/// gradients in the step that frees them; the committed traces' `--accumulate 2` checks came
+/// out worse that way: cifar_resnet_benchmark +20%, min_gpt +8.9% where it was +0.0%). Only
+/// the recorded step where they do not recur.
 fn step_starts(trace: &AllocTrace, recorded: usize) -> Vec<usize> {
     let requests: Vec<(usize, u64)> = trace
         .decoded()
@@ -200,7 +206,8 @@ fn step_starts(trace: &AllocTrace, recorded: usize) -> Vec<usize> {
         .map(|r| r.1)
         .collect();
     let gap = (trace.events.len() - recorded) / 2;
-    let mut starts: Vec<usize> = Vec::new();
+    // The heads found, by their request's index.
+    let mut heads: Vec<usize> = Vec::new();
     if head.len() == STEP_HEAD {
         for j in 0..first.saturating_sub(STEP_HEAD - 1) {
             let at = requests[j].0;
@@ -208,12 +215,18 @@ fn step_starts(trace: &AllocTrace, recorded: usize) -> Vec<usize> {
                 .iter()
                 .map(|r| r.1)
                 .eq(head.iter().copied());
-            let apart = starts.last().is_none_or(|&last| at >= last + gap);
+            let apart = heads
+                .last()
+                .is_none_or(|&last| at >= requests[last].0 + gap);
             if recurs && apart && at + gap <= recorded {
-                starts.push(at);
+                heads.push(j);
             }
         }
     }
+    if heads.is_empty() {
+        return vec![recorded];
+    }
+    let mut starts: Vec<usize> = heads.into_iter().map(|j| requests[j].0).collect();
     starts.push(recorded);
     starts
 }
@@ -224,13 +237,20 @@ fn step_starts(trace: &AllocTrace, recorded: usize) -> Vec<usize> {
 struct Numbers {
     /// An allocation's number now, where a copy stands for it.
     now: HashMap<usize, usize>,
+    /// How many allocations the trace knows (held at its start and made in it).
+    traced: usize,
     next: usize,
 }
 
 impl Numbers {
-    /// The number allocation `k` of the trace goes by now.
+    /// The number allocation `k` of the trace goes by now; a free the trace cannot place stays
+    /// unplaced (never a copy's number).
     fn of(&self, k: usize) -> usize {
-        self.now.get(&k).copied().unwrap_or(k)
+        match self.now.get(&k) {
+            Some(&now) => now,
+            None if k < self.traced => k,
+            None => usize::MAX,
+        }
     }
 }
 
@@ -242,7 +262,8 @@ struct Step<'a> {
     is_gradient: Vec<bool>,
     /// Made here and freed by a later step, not a gradient (its loss, its output), in order.
     left: Vec<usize>,
-    /// Made here and never freed, in a step before the recorded one (the optimizer's state).
+    /// Made here after its gradients and never freed, in a step before the recorded one (the
+    /// optimizer's state).
     kept: HashSet<usize>,
 }
 
@@ -264,8 +285,18 @@ impl<'a> Step<'a> {
             .clone()
             .filter(|&k| made_here(k) && survives(k) && !is_gradient[k])
             .collect();
+        // The optimizer's state: what the step makes after its gradients and nothing frees (a
+        // workspace made in forward and kept is made by the first micro-batch, as it ran).
+        let gradients_made = (0..lives.sizes.len())
+            .filter(|&k| is_gradient[k] && made_here(k))
+            .filter_map(|k| lives.spans[k].0)
+            .max();
+        let after_gradients = |k: usize| {
+            gradients_made.is_some_and(|g| lives.spans[k].0.is_some_and(|made| made > g))
+        };
         let kept = all
             .filter(|&k| !last && made_here(k) && never_freed(k) && !is_gradient[k])
+            .filter(|&k| after_gradients(k))
             .collect();
         Step {
             lives,

@@ -666,10 +666,11 @@ impl Calibration {
     }
 
     /// The allocator's cache over `peak_allocated` at `micro`: the trials' allocator events
-    /// replayed there where they line up (with `accumulate` micro-batches, the recorded step
-    /// replayed as the rewrite runs it: see [`accumulated::micro_batched`]; on the H200 the
-    /// plain step's replay missed resnet18's `--accumulate 2` by 18%, this one is within 0.5%,
-    /// `results/gpu/2026-12-05-accumulate/`); else the cache's share of the loop's peak. Where
+    /// replayed there where they line up (with `accumulate` micro-batches, the loop replayed as
+    /// the rewrite runs it: see [`accumulated::micro_batched`]; on the H200 the plain step's
+    /// replay missed resnet18's `--accumulate 2` by 18%, this one is within 0.5%,
+    /// `results/gpu/2026-12-05-accumulate/`; its first steps split and as they ran bound a
+    /// range where they differ); else the cache's share of the loop's peak. Where
     /// the model missed the larger trial's own peak, the same miss scaled to here bounds a
     /// range; so does the other segment order, where it gives another peak, and where the two
     /// orders agree, new segments scattered among the old (the point stays the orders').

@@ -1072,8 +1072,9 @@ pub(crate) mod tests {
                 // What the model gives the check's own requests, and where the prediction's
                 // replay and the check reach their peaks (before their recorded steps or in them).
                 let own: Vec<AllocEvent> = a.trace.decoded().collect();
+                // The replay with the first steps as they ran keeps the trace's step boundary.
                 let ours = lines
-                    .events_for(micro, Some(&replayed), micro_batches, Earlier::Split)
+                    .events_for(micro, Some(&replayed), micro_batches, Earlier::AsTheyRan)
                     .unwrap();
                 let segments = &a.trace.segments;
                 let peak = |events: &[AllocEvent], order| {
@@ -1085,7 +1086,7 @@ pub(crate) mod tests {
                 };
                 println!(
                     "{name}: the check's own requests give {:+.1}% / {:+.1}%; before the recorded \
-                     step the replay reaches {} MiB, the check {} MiB",
+                     step the replay (first steps as they ran) reaches {} MiB, the check {} MiB",
                     off(peak(&own, SegmentOrder::BOTH[0])),
                     off(peak(&own, SegmentOrder::BOTH[1])),
                     before(&ours, lines.large.trace),
