@@ -77,9 +77,9 @@ pub fn added_by_accumulation(trace: &AllocTrace, parameters: &[ParamShape]) -> O
 /// output) are freed where the next frees the last step's, or as it begins where the step
 /// frees none of their size (the loop dropped the last step's before its first operator).
 /// What a step makes after its gradients that no later event frees (the optimizer's state, made
-/// by its first step) is made once, by the last micro-batch. The steps before the recorded one run as they ran, or
-/// split as it is ([`Earlier`]). `None` without a recorded step or parameters, or with `events`
-/// not the trace's.
+/// by its first step) is made once, by the last micro-batch. The steps before the recorded one
+/// run as they ran, or split as it is ([`Earlier`]). `None` without a recorded step or
+/// parameters, or with `events` not the trace's.
 pub fn micro_batched(
     trace: &AllocTrace,
     parameters: &[ParamShape],
@@ -113,7 +113,7 @@ pub fn micro_batched(
     for (i, &begins) in starts.iter().enumerate() {
         let ends = starts.get(i + 1).copied().unwrap_or(events.len());
         let step = Step::of(&lives, begins..ends, events.len(), parameters);
-        step.split(&events[begins..ends], k, &mut numbers, &mut out);
+        step.split(events, k, &mut numbers, &mut out);
     }
     Some(Made::numbered(&out, lives.held_at_start()))
 }
@@ -287,7 +287,8 @@ impl<'a> Step<'a> {
             .collect();
         // The optimizer's state: what the step makes after its gradients and nothing frees (a
         // workspace made in forward and kept is made by the first micro-batch, as it ran).
-        let gradients_made = (0..lives.sizes.len())
+        let gradients_made = all
+            .clone()
             .filter(|&k| is_gradient[k] && made_here(k))
             .filter_map(|k| lives.spans[k].0)
             .max();
@@ -307,8 +308,9 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// Appends the step's `events`, split into `k` micro-batches, to `out`.
+    /// Appends the step's events (of the loop's `events`), split into `k` micro-batches, to `out`.
     fn split(&self, events: &[AllocEvent], k: u64, numbers: &mut Numbers, out: &mut Vec<Made>) {
+        let events = &events[self.range.clone()];
         let lives = self.lives;
         let made_here = |a: usize| lives.made_in(a, &self.range);
         let is_last_gradient =
