@@ -66,11 +66,12 @@ def total(*layers):
     return sum(e for e, _ in layers), sum(t for _, t in layers)
 
 
-def resnet18(classes):
-    """tch::vision::resnet::resnet18: (trainable (elements, tensors), BatchNorm channels)."""
+def resnet(blocks, classes):
+    """tch::vision::resnet's basic-block nets (resnet18: 2 blocks a stage, resnet34: 3, 4, 6, 3):
+    (trainable (elements, tensors), BatchNorm channels)."""
     layers, channels, c_in = [conv(7, 3, 64, False), norm(64)], 64, 64
-    for c_out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        for block in range(2):
+    for (c_out, stride), count in zip(((64, 1), (128, 2), (256, 2), (512, 2)), blocks):
+        for block in range(count):
             first = c_in if block == 0 else c_out
             layers += [conv(3, first, c_out, False), norm(c_out), conv(3, c_out, c_out, False), norm(c_out)]
             channels += 2 * c_out
@@ -124,7 +125,8 @@ def no_optimizer(elements, tensors):
 def _terms():
     """{example: (trainable (elements, tensors), frozen elements, optimizer state rule)} for the
     models of the examples' set-up cells, from their layers."""
-    r18, r18_channels = resnet18(10)
+    r18, r18_channels = resnet((2, 2, 2, 2), 10)
+    r34, r34_channels = resnet((3, 4, 6, 3), 10)
     fast, fast_channels = fast_resnet()
     net, vgg_channels = vgg([16, 32, 64, 128], 32, 10)
     lstm = (4 * 256 * (TEXT_LABELS + 256) + 8 * 256, 4)
@@ -135,6 +137,7 @@ def _terms():
     return {
         # BatchNorm keeps a running mean and variance per channel: on the device, not trainable.
         "resnet18": (r18, 2 * r18_channels, sgd_momentum),
+        "resnet34": (r34, 2 * r34_channels, sgd_momentum),
         "cifar_resnet": (fast, 2 * fast_channels, sgd_momentum),
         "vgg": (net, 2 * vgg_channels, adam),
         "char_rnn": (total(lstm, linear(256, TEXT_LABELS)), 0, adam),
