@@ -13,6 +13,7 @@ mod child;
 mod cli;
 mod engine;
 mod fit;
+mod html;
 mod install;
 mod kernel;
 mod libtorch;

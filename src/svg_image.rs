@@ -7,6 +7,8 @@
 
 use data_encoding::BASE64;
 
+use crate::html::attribute;
+
 /// `svg` as an `<img>` with the SVG's own size (the page keeps its place while the image
 /// decodes: a live view replaces it every quarter second), `alt` for a reader without it, and
 /// `extra` attributes (written as they are).
@@ -20,14 +22,6 @@ pub fn img(svg: &str, alt: &str, extra: &str) -> String {
         attribute(alt),
         BASE64.encode(svg.as_bytes())
     )
-}
-
-/// `text` for an HTML attribute in double quotes.
-pub fn attribute(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 /// The `width` or `height` the root `<svg>` element gives, in pixels (in either quotes).

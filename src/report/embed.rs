@@ -11,9 +11,10 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use super::escape;
+use crate::html::attribute;
+use crate::svg_image::img;
 #[cfg(test)]
 pub use crate::svg_image::svgs_in;
-use crate::svg_image::{attribute, img};
 
 /// A place on a chart that shows `text` under the pointer.
 #[derive(Debug, Clone, PartialEq)]

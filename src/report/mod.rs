@@ -17,6 +17,9 @@ use tchmem_wire::Display;
 
 use format::{human_bytes, signed_bytes};
 
+/// Text as HTML content, as every room of the report writes it.
+pub(crate) use crate::html::text as escape;
+
 /// The chart of a record's categories as a standalone SVG document; the title defaults to
 /// "<device> after the cell".
 pub fn chart_svg(record: &MemoryRecord, title: Option<&str>) -> Result<String, String> {
@@ -351,12 +354,6 @@ pub fn text_display(text: String) -> Display {
         data,
         ..Default::default()
     }
-}
-
-pub(crate) fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
