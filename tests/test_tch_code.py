@@ -140,6 +140,46 @@ def test_closures_bound_at_a_cells_top_level_are_kept_for_later_cells(kernel):
     assert "explicit type" in "\n".join(reply["traceback"]), reply
 
 
+def test_closures_over_the_cells_data_are_moved_and_kept_and_earlier_variables_stay(kernel):
+    """tch-rs's gan example, pasted into a cell: closures that borrow the cell's dataset
+    (`let random_batch_images = || { … images.index_select(…) … };`). rustc refuses to keep a
+    borrowing closure (E0373); the kernel moves them, says so, and keeps them boxed. A closure
+    that moves an earlier cell's variable is kept too, and asking the compiler about it (its
+    probes) moves nothing out of the session: a probe that compiled used to take the variable
+    with it."""
+    _, kc = kernel
+    reply, messages = execute(
+        kc,
+        "use tch::{kind, Kind, Tensor};\n"
+        "let images = Tensor::ones([8, 3], kind::FLOAT_CPU);\n"
+        "let train_size = images.size()[0];\n"
+        "let random_batch = || {\n"
+        "    let index = Tensor::randint(train_size, [4], kind::INT64_CPU);\n"
+        "    images.index_select(0, &index).sum(Kind::Float).double_value(&[])\n"
+        "};",
+    )
+    assert reply["status"] == "ok", reply
+    stderr = stream_text(messages, "stderr")
+    assert "`random_batch` borrowed the cell's variables" in stderr, stderr
+    assert "kept as `Box<dyn Fn() -> f64>`" in stderr, stderr
+    reply, messages = execute(kc, "(random_batch(), train_size)")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "(12.0, 8)"
+
+    reply, _ = execute(kc, "let weights = vec![1.0f64, 2.0];")
+    assert reply["status"] == "ok", reply
+    reply, _ = execute(kc, "let total = move || weights.iter().sum::<f64>();")
+    assert reply["status"] == "ok", reply
+    reply, messages = execute(kc, "total()")
+    assert reply["status"] == "ok", reply
+    assert result_text(messages) == "3.0"
+
+    # Where moving does not make the cell compile, the cell's own error stands.
+    reply, _ = execute(kc, "let v = vec![1];\nlet h = || v.len();\nv.len()")
+    assert reply["status"] == "error"
+    assert "closure may outlive the current function" in reply["evalue"], reply
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 intrinsics")
 def test_a_variable_of_a_type_the_cell_has_not_imported_is_typed_imported_and_kept(kernel):
     """The code analysis is not shown `std::arch` (src/session/analysis_std.rs: it halves the

@@ -11,7 +11,7 @@
 //! (a closure coerced to `dyn Fn(&T)` needs its parameters written to accept every lifetime).
 
 use syn::spanned::Spanned;
-use syn::{Expr, Pat};
+use syn::{Expr, Pat, Stmt};
 
 use super::top_let::{self, TopLet};
 
@@ -53,6 +53,45 @@ fn untyped_params(value: &Expr) -> Option<Vec<Option<proc_macro2::LineColumn>>> 
     )
 }
 
+/// The cell with `move` written before each closure bound at its top level that borrows (no
+/// `move`), and those closures' names; `None` when it has none. A closure kept between cells
+/// cannot borrow the cell's variables (rustc's E0373, "closure may outlive the current
+/// function"), as tch-rs's examples' closures over a dataset do once pasted into a cell; moved,
+/// it owns what it uses.
+pub fn moved(code: &str) -> Option<(String, Vec<String>)> {
+    let found: Vec<(String, proc_macro2::LineColumn)> =
+        crate::cell_syntax::with_parsed_block(code, |block| {
+            block
+                .stmts
+                .iter()
+                .filter_map(|stmt| {
+                    let Stmt::Local(local) = stmt else {
+                        return None;
+                    };
+                    let Pat::Ident(ident) = &local.pat else {
+                        return None;
+                    };
+                    let Expr::Closure(closure) = &*local.init.as_ref()?.expr else {
+                        return None;
+                    };
+                    closure
+                        .capture
+                        .is_none()
+                        .then(|| (ident.ident.to_string(), closure.or1_token.span().start()))
+                })
+                .collect()
+        })?;
+    let mut code = code.to_string();
+    let mut names = Vec::new();
+    // From the last, so that earlier offsets stay where they were.
+    for (name, at) in found.into_iter().rev() {
+        let at = super::positions::offset_in_block(&code, at)?;
+        code.insert_str(at, "move ");
+        names.insert(0, name);
+    }
+    (!names.is_empty()).then_some((code, names))
+}
+
 /// Generic parameters `A0, A1, …` for a closure of `arity` parameters.
 fn generics(arity: usize) -> String {
     (0..arity)
@@ -73,18 +112,25 @@ pub fn signature_probe(code: &str, variable: &str, arity: usize) -> String {
     )
 }
 
-/// The cell, never run (it compiles to nothing), asking whether `variable` is callable as
-/// `callable`: rustc's E0525 says when it is not, and names what it is.
+/// The cell, never run, asking whether `variable` is callable as `callable`: rustc's E0525 says
+/// when it is not, and names what it is. It never compiles: evcxr commits a cell that compiles,
+/// and a cell whose closure moves an earlier cell's variable (`move || v.len()`) moves it out of
+/// the session, run or not. The error that stops it, [`PROBE_STOP`], is in a function of its own,
+/// so the cell's own body is checked as it would be without it (E0525 needs its types to check).
 pub fn callable_probe(code: &str, variable: &str, arity: usize, callable: Callable) -> String {
     let args = generics(arity);
     let comma = if arity == 0 { "" } else { ", " };
     format!(
         "{{ if false {{\n{code}\n;\n\
          fn __tchmem_callable<{args}{comma}R, F: {}({args}) -> R>(_: &F) {{}}\n\
-         __tchmem_callable(&{variable});\n}} }}",
+         __tchmem_callable(&{variable});\n}}\n\
+         fn __tchmem_probe_stop() {{ let {PROBE_STOP}: () = 0u8; }}\n}}",
         callable.trait_name()
     )
 }
+
+/// The name in the error that keeps a probe from compiling (see [`callable_probe`]).
+pub const PROBE_STOP: &str = "__tchmem_probe_stops_here";
 
 /// A closure's signature, as rustc writes its types.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,6 +393,19 @@ mod tests {
             .ends_with("let mut bump: Box<dyn FnMut() -> i32> = Box::new(move || { n += 1; n });"));
         assert_eq!(find("let f = make_adder(1);", "f"), None);
         assert_eq!(find("{ let f = |x: i64| x; }", "f"), None);
+    }
+
+    #[test]
+    fn closures_that_borrow_are_moved_and_named() {
+        let code =
+            "let n = 3;\nlet f = || n + 1;\nlet g = move |x: i32| x;\nlet h = |x: i32| x * n;";
+        let (written, names) = moved(code).unwrap();
+        assert_eq!(
+            written,
+            "let n = 3;\nlet f = move || n + 1;\nlet g = move |x: i32| x;\nlet h = move |x: i32| x * n;"
+        );
+        assert_eq!(names, ["f", "h"]);
+        assert_eq!(moved("let g = move || 1;\n{ let k = || 2; }"), None);
     }
 
     #[test]

@@ -106,12 +106,19 @@ fn closure_boxed(
     let callable_probe =
         closures::callable_probe(code, variable, found.arity(), closures::Callable::Fn);
     let errors = probe(context, &callable_probe, "closure callable probe")?;
+    // Warnings come too, and evcxr adds an error of its own, without a rendering.
+    let errors: Vec<String> = errors
+        .iter()
+        .filter(|e| e.level() == "error")
+        .map(|e| e.rendered())
+        .filter(|rendered| !rendered.is_empty() && !rendered.contains(closures::PROBE_STOP))
+        .collect();
     let callable = if errors.is_empty() {
         closures::Callable::Fn
     } else {
         errors
             .iter()
-            .find_map(|e| closures::Callable::from_e0525(&e.rendered()))?
+            .find_map(|rendered| closures::Callable::from_e0525(rendered))?
     };
     let kept_as = closures::kept_as(&signature, callable);
     output(CellOutput::Stream(
@@ -173,6 +180,42 @@ fn import(context: &mut CommandContext, imports: &[String], output: &OutputSink)
     true
 }
 
+/// When the cell failed to compile on a closure that borrows the cell's variables (E0373): the
+/// cell again with its top-level closures moved, kept if it compiles (with a note to the user);
+/// otherwise the cell's own errors stand, since what it failed on then was not (only) that.
+fn borrowing_closures_moved<'a>(
+    context: &mut CommandContext,
+    compiled: std::borrow::Cow<'a, str>,
+    result: Result<evcxr::EvalOutputs, evcxr::Error>,
+    callbacks: &mut EvalCallbacks,
+    output: &OutputSink,
+) -> (
+    Result<evcxr::EvalOutputs, evcxr::Error>,
+    std::borrow::Cow<'a, str>,
+) {
+    let borrows = matches!(&result, Err(evcxr::Error::CompilationErrors(errors))
+        if errors.iter().any(|e| e.code() == Some("E0373")));
+    let Some((moved, names)) = borrows.then(|| closures::moved(&compiled)).flatten() else {
+        return (result, compiled);
+    };
+    let retried = context.execute_with_callbacks(&moved, callbacks);
+    if matches!(retried, Err(evcxr::Error::CompilationErrors(_))) {
+        tracing::debug!("the cell with its closures moved did not compile either");
+        return (result, compiled);
+    }
+    let named: Vec<String> = names.iter().map(|name| format!("`{name}`")).collect();
+    output(CellOutput::Stream(
+        StreamName::Stderr,
+        format!(
+            "tchmem: {} borrowed the cell's variables, which a closure kept between cells \
+             cannot: moved (`move |…|`), it owns what it uses, and a value it uses that is not \
+             `Copy` is no longer a variable of its own\n",
+            named.join(", ")
+        ),
+    ));
+    (retried, moved.into())
+}
+
 /// Runs the cell again while evcxr cannot keep one of its variables: with the variable's type
 /// as the compiler names it, or the variable boxed (one variable per round). `code` is the
 /// user's cell; the cell last compiled (what compile errors point into) comes back with the
@@ -188,6 +231,7 @@ pub fn keep_variables<'a>(
     Result<evcxr::EvalOutputs, evcxr::Error>,
     std::borrow::Cow<'a, str>,
 ) {
+    (result, compiled) = borrowing_closures_moved(context, compiled, result, callbacks, output);
     for _ in 0..MAX_KEEP_ROUNDS {
         let Err(evcxr::Error::Message(message)) = &result else {
             break;
