@@ -108,10 +108,7 @@ impl<R: Runner> Cells<R> {
             Err(TrialError::Refused(refusal)) => {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,
-                    format!(
-                        "%memestimate could not apply {}: {refusal}",
-                        calibrated.flags()
-                    ),
+                    format!("%memestimate {}: {refusal}", trials_refused(&calibrated)),
                 ))
             }
             Err(TrialError::Stopped(outcome)) => return *outcome,
@@ -188,7 +185,7 @@ impl<R: Runner> Cells<R> {
             Err(TrialError::Stopped(outcome)) => Err(outcome),
             Err(TrialError::Refused(refusal)) => Err(Box::new(fail(CellError::new(
                 ErrorName::RewriteRefused,
-                format!("--check could not apply {}: {refusal}", options.flags()),
+                format!("--check {}: {refusal}", trials_refused(&options)),
             )))),
         }
     }
@@ -408,6 +405,16 @@ fn found_lines(found: &Found, allowed: u64, cell: &TrainingCell) -> Vec<String> 
         ),
         format!("Use it:  {}", cell.batch_code(best)),
     ]
+}
+
+/// What failed when a trial's rewrite was refused: the techniques asked for, or (none asked)
+/// timing the loop step by step.
+fn trials_refused(options: &Options) -> String {
+    if options.is_empty() {
+        "runs the cell in trials that time each training step, and cannot here".to_string()
+    } else {
+        format!("could not apply {}", options.flags())
+    }
 }
 
 /// What an estimate is of, for its heading: the batch, the rewrites and the optimizer's rule.

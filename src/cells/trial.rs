@@ -199,6 +199,9 @@ impl<R: Runner> Cells<R> {
             None => cell.binding.clone(),
         };
         let sized = batch::replace(&assembled.code, &binding, batch);
+        // Whether the loop can be timed step by step, asked of the code whose lines are the
+        // cell's (the rewrite below adds lines: its refusal would name them).
+        rewrite::instrument_for_compare(&sized).map_err(refused)?;
         // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
         // loop as written goes through it too; if it will not mark them, the loop runs as is.
         let code = match rewrite::rewrite(&sized, options, &assembled.known) {

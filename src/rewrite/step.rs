@@ -10,7 +10,7 @@ use syn::{Expr, ExprMethodCall, Stmt};
 use super::cell::line_of;
 use super::syntax::{as_ident, as_mut_ref_ident, as_ref_ident, binds};
 use super::tree::Tree;
-use super::Refusal;
+use super::{describe_lines, Refusal};
 
 /// What to describe when no step is found.
 pub(crate) const STEP_PATTERN: &str = "the training step: `opt.backward_step(&loss)`, or \
@@ -225,16 +225,26 @@ pub(crate) fn the_step(tree: &Tree, flag: &str) -> Result<Step, Refusal> {
             None,
         )),
         [step] => Ok(step.clone()),
-        [_, second, ..] => {
-            let lines: Vec<String> = steps.iter().map(|s| s.line.to_string()).collect();
-            Err(Refusal::at(
+        [first, second, ..] => {
+            // Named through the refusal, so that the line moves with it below a magic line or
+            // after code brought from earlier cells.
+            let first_at = describe_lines((first.line, first.line));
+            let found = format!(
+                "{flag} found {} training steps (this one and the one at {first_at})",
+                steps.len()
+            );
+            let outermost = |step: &Step| tree.loops(step.block).last().copied();
+            let why = if outermost(first).is_some() && outermost(first) == outermost(second) {
+                "in one loop: a loop that steps several optimizers in turn (a GAN's \
+                 discriminator and generator) is not one it can rewrite or time step by step."
+            } else {
+                "; it rewrites cells with one training loop. Put each loop in its own cell."
+            };
+            let sep = if why.starts_with(';') { "" } else { " " };
+            Err(Refusal::naming(
                 second.line,
-                format!(
-                    "{flag} found {} training steps (lines {}); it rewrites cells with one \
-                     training loop. Put each loop in its own cell.",
-                    steps.len(),
-                    lines.join(", ")
-                ),
+                (first.line, first.line),
+                format!("{found}{sep}{why}"),
             ))
         }
     }

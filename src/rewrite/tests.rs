@@ -382,10 +382,27 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
     let twice = format!("{src}{src}");
     let refused = refusal(&twice, "--accumulate 2");
     assert!(
-        refused.message.contains("2 training steps (lines 3, 7)"),
+        refused.message.contains(
+            "2 training steps (this one and the one at line 3); it rewrites cells \
+                       with one training loop. Put each loop in its own cell."
+        ),
         "{refused}"
     );
     assert_eq!(refused.line, Some(7));
+    // Below a magic line, the line the message names moves with the refusal's.
+    let shifted = refused.shifted(1);
+    assert!(shifted.message.contains("the one at line 4)"), "{shifted}");
+    // Two optimizers stepped in turn in one loop (a GAN).
+    let gan = "for _ in 0..3 {\n    opt_d.backward_step(&d_loss);\n    \
+               opt_g.backward_step(&g_loss);\n}\n";
+    let refused = refusal(gan, "--amp bf16");
+    assert!(
+        refused
+            .message
+            .contains("(this one and the one at line 2) in one loop"),
+        "{refused}"
+    );
+    assert_eq!(refused.line, Some(3));
     // The loss bound outside the step's block.
     let src = "let loss = model.forward(&xs).mean(None);\nfor _ in 0..3 {\n    \
                opt.backward_step(&loss);\n}\n";
