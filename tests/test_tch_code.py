@@ -160,7 +160,7 @@ def test_closures_over_the_cells_data_are_moved_and_kept_and_earlier_variables_s
     )
     assert reply["status"] == "ok", reply
     stderr = stream_text(messages, "stderr")
-    assert "`random_batch` borrowed the cell's variables" in stderr, stderr
+    assert "cannot borrow the cell's variables: `random_batch` now run as `move`" in stderr, stderr
     assert "kept as `Box<dyn Fn() -> f64>`" in stderr, stderr
     reply, messages = execute(kc, "(random_batch(), train_size)")
     assert reply["status"] == "ok", reply

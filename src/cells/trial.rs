@@ -199,17 +199,22 @@ impl<R: Runner> Cells<R> {
             None => cell.binding.clone(),
         };
         let sized = batch::replace(&assembled.code, &binding, batch);
-        // Whether the loop can be timed step by step, asked of the code whose lines are the
-        // cell's (the rewrite below adds lines: its refusal would name them).
-        rewrite::instrument_for_compare(&sized).map_err(refused)?;
         // The rewrite also marks the step's phases (for the estimator's phase peaks), so the
         // loop as written goes through it too; if it will not mark them, the loop runs as is.
         let code = match rewrite::rewrite(&sized, options, &assembled.known) {
             Ok(rewritten) => rewritten.code,
-            Err(_) if options.is_empty() => sized,
+            Err(_) if options.is_empty() => sized.clone(),
             Err(refusal) => return Err(refused(refusal)),
         };
-        let instrumented = rewrite::instrument_for_compare(&code).map_err(refused)?;
+        let instrumented = rewrite::instrument_for_compare(&code).map_err(|refusal| {
+            // The rewrite adds lines, which its refusal would name: asked of the code as the
+            // cell has it, the lines are the cell's.
+            refused(
+                rewrite::instrument_for_compare(&sized)
+                    .err()
+                    .unwrap_or(refusal),
+            )
+        })?;
         let run = compare_cell(
             &instrumented,
             steps,

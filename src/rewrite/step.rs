@@ -230,21 +230,23 @@ pub(crate) fn the_step(tree: &Tree, flag: &str) -> Result<Step, Refusal> {
             // after code brought from earlier cells.
             let first_at = describe_lines((first.line, first.line));
             let found = format!(
-                "{flag} found {} training steps (this one and the one at {first_at})",
+                "{flag} found {} training steps (the first at {first_at}, the second here)",
                 steps.len()
             );
             let outermost = |step: &Step| tree.loops(step.block).last().copied();
-            let why = if outermost(first).is_some() && outermost(first) == outermost(second) {
-                "in one loop: a loop that steps several optimizers in turn (a GAN's \
-                 discriminator and generator) is not one it can rewrite or time step by step."
+            let one_loop = outermost(first).is_some() && outermost(first) == outermost(second);
+            let why = if one_loop && first.opt != second.opt {
+                ": a loop that steps several optimizers in turn (a GAN's discriminator and \
+                 generator) is not one it can rewrite or time step by step."
+            } else if one_loop {
+                ": it rewrites a loop with one training step."
             } else {
                 "; it rewrites cells with one training loop. Put each loop in its own cell."
             };
-            let sep = if why.starts_with(';') { "" } else { " " };
             Err(Refusal::naming(
                 second.line,
                 (first.line, first.line),
-                format!("{found}{sep}{why}"),
+                format!("{found}{why}"),
             ))
         }
     }

@@ -383,15 +383,18 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
     let refused = refusal(&twice, "--accumulate 2");
     assert!(
         refused.message.contains(
-            "2 training steps (this one and the one at line 3); it rewrites cells \
-                       with one training loop. Put each loop in its own cell."
+            "2 training steps (the first at line 3, the second here); it rewrites cells with \
+             one training loop. Put each loop in its own cell."
         ),
         "{refused}"
     );
     assert_eq!(refused.line, Some(7));
     // Below a magic line, the line the message names moves with the refusal's.
     let shifted = refused.shifted(1);
-    assert!(shifted.message.contains("the one at line 4)"), "{shifted}");
+    assert!(
+        shifted.message.contains("the first at line 4,"),
+        "{shifted}"
+    );
     // Two optimizers stepped in turn in one loop (a GAN).
     let gan = "for _ in 0..3 {\n    opt_d.backward_step(&d_loss);\n    \
                opt_g.backward_step(&g_loss);\n}\n";
@@ -399,10 +402,19 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
     assert!(
         refused
             .message
-            .contains("(this one and the one at line 2) in one loop"),
+            .contains("(the first at line 2, the second here): a loop that steps several"),
         "{refused}"
     );
     assert_eq!(refused.line, Some(3));
+    // One optimizer stepped twice in one loop is not a GAN.
+    let same = "for _ in 0..3 {\n    opt.backward_step(&a);\n    opt.backward_step(&b);\n}\n";
+    let refused = refusal(same, "--amp bf16");
+    assert!(
+        refused
+            .message
+            .ends_with(": it rewrites a loop with one training step."),
+        "{refused}"
+    );
     // The loss bound outside the step's block.
     let src = "let loss = model.forward(&xs).mean(None);\nfor _ in 0..3 {\n    \
                opt.backward_step(&loss);\n}\n";

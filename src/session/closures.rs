@@ -54,12 +54,14 @@ fn untyped_params(value: &Expr) -> Option<Vec<Option<proc_macro2::LineColumn>>> 
 }
 
 /// The cell with `move` written before each closure bound at its top level that borrows (no
-/// `move`), and those closures' names; `None` when it has none. A closure kept between cells
-/// cannot borrow the cell's variables (rustc's E0373, "closure may outlive the current
-/// function"), as tch-rs's examples' closures over a dataset do once pasted into a cell; moved,
-/// it owns what it uses.
+/// `move`), and those closures' names; `None` when it has none, or when one of them changes a
+/// variable from outside it (`steps += 1`, `&mut v`): moved, it would change its own copy of an
+/// integer while the cell's stays as it was, with no error. A closure kept between cells cannot
+/// borrow the cell's variables (rustc's E0373, "closure may outlive the current function"), as
+/// tch-rs's examples' closures over a dataset do once pasted into a cell; moved, it owns what it
+/// uses.
 pub fn moved(code: &str) -> Option<(String, Vec<String>)> {
-    let found: Vec<(String, proc_macro2::LineColumn)> =
+    let found: Vec<(String, proc_macro2::LineColumn, bool)> =
         crate::cell_syntax::with_parsed_block(code, |block| {
             block
                 .stmts
@@ -74,22 +76,86 @@ pub fn moved(code: &str) -> Option<(String, Vec<String>)> {
                     let Expr::Closure(closure) = &*local.init.as_ref()?.expr else {
                         return None;
                     };
-                    closure
-                        .capture
-                        .is_none()
-                        .then(|| (ident.ident.to_string(), closure.or1_token.span().start()))
+                    closure.capture.is_none().then(|| {
+                        let at = closure.or1_token.span().start();
+                        (ident.ident.to_string(), at, changes_outside(closure))
+                    })
                 })
-                .collect()
+                .collect::<Vec<_>>()
         })?;
+    if found.iter().any(|(_, _, changes)| *changes) {
+        return None;
+    }
     let mut code = code.to_string();
     let mut names = Vec::new();
     // From the last, so that earlier offsets stay where they were.
-    for (name, at) in found.into_iter().rev() {
+    for (name, at, _) in found.into_iter().rev() {
         let at = super::positions::offset_in_block(&code, at)?;
         code.insert_str(at, "move ");
         names.insert(0, name);
     }
     (!names.is_empty()).then_some((code, names))
+}
+
+/// Whether `closure` assigns to, or borrows mutably, a variable it does not bind itself.
+fn changes_outside(closure: &syn::ExprClosure) -> bool {
+    use syn::visit::Visit;
+    #[derive(Default)]
+    struct Changes {
+        bound: Vec<String>,
+        changed: Vec<String>,
+    }
+    /// The variable an assignment's target or a `&mut` names (`v`, `v.field`, `v[i]`).
+    fn root(expr: &Expr) -> Option<String> {
+        match expr {
+            Expr::Path(path) => path.path.get_ident().map(ToString::to_string),
+            Expr::Field(field) => root(&field.base),
+            Expr::Index(index) => root(&index.expr),
+            Expr::Paren(paren) => root(&paren.expr),
+            _ => None,
+        }
+    }
+    impl<'a> Visit<'a> for Changes {
+        fn visit_pat_ident(&mut self, pat: &'a syn::PatIdent) {
+            self.bound.push(pat.ident.to_string());
+            syn::visit::visit_pat_ident(self, pat);
+        }
+        fn visit_expr_assign(&mut self, assign: &'a syn::ExprAssign) {
+            self.changed.extend(root(&assign.left));
+            syn::visit::visit_expr_assign(self, assign);
+        }
+        fn visit_expr_binary(&mut self, binary: &'a syn::ExprBinary) {
+            use syn::BinOp::*;
+            if matches!(
+                binary.op,
+                AddAssign(_)
+                    | SubAssign(_)
+                    | MulAssign(_)
+                    | DivAssign(_)
+                    | RemAssign(_)
+                    | BitXorAssign(_)
+                    | BitAndAssign(_)
+                    | BitOrAssign(_)
+                    | ShlAssign(_)
+                    | ShrAssign(_)
+            ) {
+                self.changed.extend(root(&binary.left));
+            }
+            syn::visit::visit_expr_binary(self, binary);
+        }
+        fn visit_expr_reference(&mut self, reference: &'a syn::ExprReference) {
+            if reference.mutability.is_some() {
+                self.changed.extend(root(&reference.expr));
+            }
+            syn::visit::visit_expr_reference(self, reference);
+        }
+    }
+    let mut changes = Changes::default();
+    changes.visit_expr_closure(closure);
+    changes
+        .changed
+        .iter()
+        .any(|name| !changes.bound.contains(name))
 }
 
 /// Generic parameters `A0, A1, …` for a closure of `arity` parameters.
@@ -406,6 +472,18 @@ mod tests {
         );
         assert_eq!(names, ["f", "h"]);
         assert_eq!(moved("let g = move || 1;\n{ let k = || 2; }"), None);
+        // Moved, a closure that changes a counter of the cell would change its own copy.
+        assert_eq!(
+            moved("let mut steps = 0;\nlet tick = || { steps += 1; };"),
+            None
+        );
+        assert_eq!(
+            moved("let mut v = vec![];\nlet push = || (&mut v).push(1);"),
+            None
+        );
+        // What it binds itself it may change.
+        let own = "let n = 2;\nlet f = |k: i32| { let mut t = k; t += n; t };";
+        assert!(moved(own).is_some());
     }
 
     #[test]

@@ -207,9 +207,9 @@ fn borrowing_closures_moved<'a>(
     output(CellOutput::Stream(
         StreamName::Stderr,
         format!(
-            "tchmem: {} borrowed the cell's variables, which a closure kept between cells \
-             cannot: moved (`move |…|`), it owns what it uses, and a value it uses that is not \
-             `Copy` is no longer a variable of its own\n",
+            "tchmem: a closure kept between cells cannot borrow the cell's variables: {} now \
+             run as `move` closures, each owning what it uses (a value that is not `Copy` is no \
+             longer a variable of its own)\n",
             named.join(", ")
         ),
     ));
