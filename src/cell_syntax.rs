@@ -169,6 +169,24 @@ pub fn top_level_uses(cell: &str) -> Vec<String> {
     .unwrap_or_default()
 }
 
+/// Whether `op` assigns (`+=`, `-=`, … `>>=`): its left side is changed.
+pub fn is_compound_assign(op: &syn::BinOp) -> bool {
+    use syn::BinOp::*;
+    matches!(
+        op,
+        AddAssign(_)
+            | SubAssign(_)
+            | MulAssign(_)
+            | DivAssign(_)
+            | RemAssign(_)
+            | BitXorAssign(_)
+            | BitAndAssign(_)
+            | BitOrAssign(_)
+            | ShlAssign(_)
+            | ShrAssign(_)
+    )
+}
+
 /// Hands the Rust part of `cell`, parsed as a block, to `read`; `None` when it does not parse. The
 /// parsed text starts with a line `{`: cell line `n` (0-based) is the parser's line `n + 2`.
 pub fn with_parsed_block<T: Send + 'static>(

@@ -434,20 +434,7 @@ pub(crate) fn outer_assignment(stmts: &[Stmt]) -> Option<(String, usize)> {
             visit::visit_expr_assign(self, e);
         }
         fn visit_expr_binary(&mut self, e: &'a syn::ExprBinary) {
-            use syn::BinOp::*;
-            if matches!(
-                e.op,
-                AddAssign(_)
-                    | SubAssign(_)
-                    | MulAssign(_)
-                    | DivAssign(_)
-                    | RemAssign(_)
-                    | BitXorAssign(_)
-                    | BitAndAssign(_)
-                    | BitOrAssign(_)
-                    | ShlAssign(_)
-                    | ShrAssign(_)
-            ) {
+            if crate::cell_syntax::is_compound_assign(&e.op) {
                 self.assigned(&e.left);
             }
             visit::visit_expr_binary(self, e);

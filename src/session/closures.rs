@@ -125,20 +125,7 @@ fn changes_outside(closure: &syn::ExprClosure) -> bool {
             syn::visit::visit_expr_assign(self, assign);
         }
         fn visit_expr_binary(&mut self, binary: &'a syn::ExprBinary) {
-            use syn::BinOp::*;
-            if matches!(
-                binary.op,
-                AddAssign(_)
-                    | SubAssign(_)
-                    | MulAssign(_)
-                    | DivAssign(_)
-                    | RemAssign(_)
-                    | BitXorAssign(_)
-                    | BitAndAssign(_)
-                    | BitOrAssign(_)
-                    | ShlAssign(_)
-                    | ShrAssign(_)
-            ) {
+            if crate::cell_syntax::is_compound_assign(&binary.op) {
                 self.changed.extend(root(&binary.left));
             }
             syn::visit::visit_expr_binary(self, binary);
