@@ -11,7 +11,7 @@
 //! (a closure coerced to `dyn Fn(&T)` needs its parameters written to accept every lifetime).
 
 use syn::spanned::Spanned;
-use syn::{Expr, Pat, Stmt};
+use syn::{Expr, Pat};
 
 use super::top_let::{self, TopLet};
 
@@ -61,40 +61,29 @@ fn untyped_params(value: &Expr) -> Option<Vec<Option<proc_macro2::LineColumn>>> 
 /// tch-rs's examples' closures over a dataset do once pasted into a cell; moved, it owns what it
 /// uses.
 pub fn moved(code: &str) -> Option<(String, Vec<String>)> {
-    let found: Vec<(String, proc_macro2::LineColumn, bool)> =
-        crate::cell_syntax::with_parsed_block(code, |block| {
-            block
-                .stmts
-                .iter()
-                .filter_map(|stmt| {
-                    let Stmt::Local(local) = stmt else {
-                        return None;
-                    };
-                    let Pat::Ident(ident) = &local.pat else {
-                        return None;
-                    };
-                    let Expr::Closure(closure) = &*local.init.as_ref()?.expr else {
-                        return None;
-                    };
-                    closure.capture.is_none().then(|| {
-                        let at = closure.or1_token.span().start();
-                        (ident.ident.to_string(), at, changes_outside(closure))
-                    })
-                })
-                .collect::<Vec<_>>()
-        })?;
-    if found.iter().any(|(_, _, changes)| *changes) {
-        return None;
-    }
+    let found = top_let::all(code, borrowing_closure)?;
     let mut code = code.to_string();
     let mut names = Vec::new();
     // From the last, so that earlier offsets stay where they were.
-    for (name, at, _) in found.into_iter().rev() {
-        let at = super::positions::offset_in_block(&code, at)?;
+    for (name, closure) in found.into_iter().rev() {
+        // No position: the closure changes a variable from outside it.
+        let at = closure.marks.first().copied().flatten()?;
         code.insert_str(at, "move ");
         names.insert(0, name);
     }
     (!names.is_empty()).then_some((code, names))
+}
+
+/// For a closure that borrows (no `move`): where `move` goes (its first `|`), or no position
+/// when it changes a variable from outside it; `None` for another value.
+fn borrowing_closure(value: &Expr) -> Option<Vec<Option<proc_macro2::LineColumn>>> {
+    let Expr::Closure(closure) = value else {
+        return None;
+    };
+    closure
+        .capture
+        .is_none()
+        .then(|| vec![(!changes_outside(closure)).then(|| closure.or1_token.span().start())])
 }
 
 /// Whether `closure` assigns to, or borrows mutably, a variable it does not bind itself.

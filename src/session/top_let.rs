@@ -23,38 +23,67 @@ pub type Marks = fn(&Expr) -> Option<Vec<Option<LineColumn>>>;
 /// The top-level `let variable = …;` of `code` whose value `marks` accepts, or `None` when
 /// there is no such `let`.
 pub fn find(code: &str, variable: &str, marks: Marks) -> Option<TopLet> {
-    let name = variable.to_string();
-    type Spans = (
-        LineColumn,
-        (LineColumn, LineColumn),
-        Vec<Option<LineColumn>>,
-    );
-    let spans: Spans = crate::cell_syntax::with_parsed_block(code, move |block| {
-        block.stmts.iter().find_map(|stmt| {
-            let Stmt::Local(local) = stmt else {
-                return None;
-            };
-            let Pat::Ident(ident) = &local.pat else {
-                return None;
-            };
-            let init = local.init.as_ref().filter(|init| init.diverge.is_none())?;
-            if ident.ident != name || ident.subpat.is_some() {
-                return None;
-            }
-            Some((
-                local.pat.span().end(),
-                (init.expr.span().start(), init.expr.span().end()),
-                marks(&init.expr)?,
-            ))
-        })
-    })??;
+    let found = spans(code, marks)?
+        .into_iter()
+        .find(|spans| spans.name == variable)?;
+    placed(code, found)
+}
+
+/// Every top-level `let name = …;` of `code` (one name, no type written) whose value `marks`
+/// accepts, with its name, in the cell's order; `None` when the cell does not parse or a
+/// position is outside the cell.
+pub fn all(code: &str, marks: Marks) -> Option<Vec<(String, TopLet)>> {
+    spans(code, marks)?
+        .into_iter()
+        .map(|spans| Some((spans.name.clone(), placed(code, spans)?)))
+        .collect()
+}
+
+/// A top-level `let` as the parser placed it.
+struct Spans {
+    name: String,
+    pattern_end: LineColumn,
+    value: (LineColumn, LineColumn),
+    marks: Vec<Option<LineColumn>>,
+}
+
+/// The top-level `let`s (one name each) whose value `marks` accepts, as the parser placed them.
+fn spans(code: &str, marks: Marks) -> Option<Vec<Spans>> {
+    crate::cell_syntax::with_parsed_block(code, move |block| {
+        block
+            .stmts
+            .iter()
+            .filter_map(|stmt| {
+                let Stmt::Local(local) = stmt else {
+                    return None;
+                };
+                let Pat::Ident(ident) = &local.pat else {
+                    return None;
+                };
+                let init = local.init.as_ref().filter(|init| init.diverge.is_none())?;
+                if ident.subpat.is_some() {
+                    return None;
+                }
+                Some(Spans {
+                    name: ident.ident.to_string(),
+                    pattern_end: local.pat.span().end(),
+                    value: (init.expr.span().start(), init.expr.span().end()),
+                    marks: marks(&init.expr)?,
+                })
+            })
+            .collect()
+    })
+}
+
+/// `spans` as byte offsets into `code`; `None` when one is outside the cell.
+fn placed(code: &str, spans: Spans) -> Option<TopLet> {
     let offset = |at| super::positions::offset_in_block(code, at);
     Some(TopLet {
-        pattern_end: offset(spans.0)?,
-        value: (offset(spans.1 .0)?, offset(spans.1 .1)?),
+        pattern_end: offset(spans.pattern_end)?,
+        value: (offset(spans.value.0)?, offset(spans.value.1)?),
         // A mark outside the cell drops the whole.
         marks: spans
-            .2
+            .marks
             .into_iter()
             .map(|at| match at {
                 None => Some(None),
