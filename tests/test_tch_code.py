@@ -365,3 +365,106 @@ let mut vision_opt = nn::Sgd::default().build(&vision_vs, 0.01).unwrap();"""
     assert f"by `tch::vision::{module}::{function}` (tch-" in code, code
     assert f"src/vision/{module}.rs)" in code, code
     assert "tchmem::checkpoint::seq_t()" in code, code
+
+
+# An optimizer written in the notebook, as tch-rs's custom-optimizer example writes its
+# SparseAdam: a type of its own over the store's variables, with a state and a step count.
+WRITTEN_OPTIMIZER = """use std::sync::{Arc, Mutex};
+use tch::nn::{self, Module, VarStore, Variables};
+use tch::{no_grad, Device, Kind, Tensor};
+
+struct Momentum {
+    vars: Arc<Mutex<Variables>>,
+    velocity: Vec<Tensor>,
+    lr: f64,
+    steps: usize,
+}
+
+impl Momentum {
+    fn new(vs: &VarStore, lr: f64) -> Momentum {
+        let vars = vs.variables_.clone();
+        let velocity =
+            vars.lock().unwrap().trainable_variables.iter().map(|v| v.tensor.zeros_like()).collect();
+        Momentum { vars, velocity, lr, steps: 0 }
+    }
+
+    fn zero_grad(&mut self) {
+        for var in &mut self.vars.lock().unwrap().trainable_variables {
+            var.tensor.zero_grad();
+        }
+    }
+
+    fn step(&mut self) {
+        self.steps += 1;
+        no_grad(|| {
+            let mut vars = self.vars.lock().unwrap();
+            for (var, velocity) in vars.trainable_variables.iter_mut().zip(&mut self.velocity) {
+                *velocity *= 0.9;
+                *velocity += var.tensor.grad();
+                var.tensor -= &*velocity * self.lr;
+            }
+        });
+    }
+}
+
+fn small_net(vs: &nn::Path) -> impl Module {
+    nn::seq()
+        .add(nn::linear(vs / "l1", 8, 16, Default::default()))
+        .add_fn(|xs| xs.relu())
+        .add(nn::linear(vs / "l2", 16, 4, Default::default()))
+}"""
+WRITTEN_MODEL = """let own_vs = VarStore::new(Device::Cpu);
+let own_net = small_net(&own_vs.root());
+let mut own_opt = Momentum::new(&own_vs, 0.05);
+let own_data = Tensor::rand([64, 8], (Kind::Float, Device::Cpu));"""
+WRITTEN_LOOP = """let batch_size = 16;
+for _ in 0..3 {
+    let xs = own_data.narrow(0, 0, batch_size);
+    let loss = own_net.forward(&xs).pow_tensor_scalar(2).mean(Kind::Float);
+    own_opt.zero_grad();
+    loss.backward();
+    own_opt.step();
+}"""
+
+
+def test_an_optimizer_the_notebook_wrote_is_built_afresh_by_the_magics_and_kept_as_it_was(kernel):
+    _, kc = kernel
+    for cell in (WRITTEN_OPTIMIZER, WRITTEN_MODEL):
+        reply, _ = execute(kc, cell, timeout=300)
+        assert reply["status"] == "ok", (cell, reply)
+    # Before any loop: the model's terms, the optimizer named and its state not counted.
+    reply, messages = execute(kc, "%memestimate")
+    assert reply["status"] == "ok", reply
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
+    assert "optimizer `own_opt` (`Momentum`, cell [" in estimate["what"], estimate
+    assert estimate["optimizer_state"] is None, estimate
+    assert estimate["parameters"] == (8 * 16 + 16 + 16 * 4 + 4) * 4, estimate
+
+    for cell in (WRITTEN_LOOP, "let velocity = own_opt.velocity[0].copy();"):
+        reply, _ = execute(kc, cell)
+        assert reply["status"] == "ok", (cell, reply)
+    # Each side of --compare steps a Momentum of its own from the same start; the notebook's
+    # keeps its step count and velocity.
+    reply, messages = execute(kc, "%%optimize --amp bf16 --compare 2\n" + WRITTEN_LOOP, timeout=300)
+    assert reply["status"] == "ok", (reply.get("evalue"), stream_text(messages))
+    (result,) = displayed(messages, COMPARISON_MIME)
+    original, rewritten = result["original"]["losses"], result["rewritten"]["losses"]
+    assert abs(original[1] - rewritten[1]) <= 0.05 * abs(original[1]), (original, rewritten)
+    reply, messages = execute(kc, "(own_opt.steps, own_opt.velocity[0].equal(&velocity))")
+    assert result_text(messages) == "(3, true)", result_text(messages)
+
+    # A model beside it is rebuilt for --checkpoint, the optimizer built again on its store.
+    reply, messages = execute(kc, "%%optimize --checkpoint --show\n" + WRITTEN_LOOP)
+    assert reply["status"] == "ok", reply
+    # A swap of tch's optimizers names it instead of finding none.
+    reply, _ = execute(kc, "%%optimize --optimizer lion --show\n" + WRITTEN_LOOP)
+    assert reply["status"] == "error" and reply["ename"] == "RewriteRefused", reply
+    assert "`own_opt` (a `Momentum`, built in cell [" in reply["evalue"], reply["evalue"]
+    # Its trials say whose state the estimate leaves in the line.
+    reply, messages = execute(kc, "%memestimate\n" + WRITTEN_LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
+    assert "Momentum (the notebook's)" in estimate["what"], estimate
+    assert estimate["optimizer_state"] is None, estimate
+    reply, messages = execute(kc, "own_opt.steps")
+    assert result_text(messages) == "3", result_text(messages)

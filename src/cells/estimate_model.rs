@@ -7,7 +7,7 @@ use tchmem_wire::estimate::{ModelShapes, OptimizerRule, MODEL_SHAPES_MIME};
 use super::{fail, Cells, Runner};
 use crate::fit::estimate::Fixed;
 use crate::magics::fit::{DataParallel, EstimateRequest};
-use crate::report::fit::{model_terms_display, ModelTerms};
+use crate::report::fit::{model_terms_display, ModelTerms, StateCounted};
 use crate::rewrite::earlier::{self, LiveModel};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName};
 
@@ -25,7 +25,16 @@ fn model_words(model: &LiveModel, rule: Option<&str>) -> String {
             optimizer.name, optimizer.run
         )),
         (None, Some(rule)) => what.push_str(&format!(", with {rule}")),
-        _ => {}
+        (Some(optimizer), None) => what.push_str(&format!(
+            ", optimizer `{}` ({}cell [{}])",
+            optimizer.name,
+            optimizer
+                .written
+                .as_ref()
+                .map_or(String::new(), |type_name| format!("`{type_name}`, ")),
+            optimizer.run
+        )),
+        (None, None) => {}
     }
     what
 }
@@ -61,21 +70,30 @@ impl<R: Runner> Cells<R> {
             None => built.map(|(_, rule)| *rule),
         };
         let rule_name = rule.map(|rule| rule.label().to_string());
-        let rule = match (rule, &model.optimizer) {
-            (Some(rule), _) => rule,
-            (None, Some(optimizer)) => {
-                return fail(CellError::new(
-                    ErrorName::EstimateFailed,
-                    format!(
-                        "%memestimate does not know the state rule of the optimizer `{}` (cell \
-                         [{}]); say which to count with --optimizer (sgd, lion, adamw8bit, \
-                         adafactor), or run a training cell and put %memestimate on it",
-                        optimizer.name, optimizer.run
-                    ),
-                ))
-            }
-            // No optimizer yet: no state to count.
-            (None, None) => OptimizerRule::Sgd { momentum: false },
+        let unread = model
+            .optimizer
+            .as_ref()
+            .map(|optimizer| match &optimizer.written {
+                Some(type_name) => format!(
+                    "`{}` (a `{type_name}`, built in cell [{}])",
+                    optimizer.name, optimizer.run
+                ),
+                None => format!(
+                    "`{}` (cell [{}]), an optimizer whose state rule the kernel does not know",
+                    optimizer.name, optimizer.run
+                ),
+            });
+        // No state counted without a rule: none yet, or one that cannot be read.
+        let (rule, state) = match (rule, &rule_name, &unread) {
+            (Some(rule), Some(name), _) => (rule, StateCounted::Rule(name)),
+            (_, _, Some(unread)) => (
+                OptimizerRule::Sgd { momentum: false },
+                StateCounted::Unread(unread),
+            ),
+            _ => (
+                OptimizerRule::Sgd { momentum: false },
+                StateCounted::NoOptimizer,
+            ),
         };
         let stores: Vec<String> = model
             .stores
@@ -121,7 +139,7 @@ impl<R: Runner> Cells<R> {
             what: &what,
             fixed,
             frozen: shapes.frozen_bytes,
-            rule: rule_name.as_deref(),
+            state,
             device: room.map(|room| (room.context.unwrap_or(0), room.total)),
         };
         (io.output)(CellOutput::Display(model_terms_display(&terms)));

@@ -14,11 +14,11 @@ use crate::report::fit::{
     estimate_display, fixed_terms_display, verdict_of, EstimateView, LiveTable,
 };
 use crate::report::format::human_bytes;
+use crate::rewrite::earlier::WrittenOptimizer;
 use crate::rewrite::{self, Options};
 use crate::session::{
     CellError, CellIo, CellOutcome, CellOutput, ErrorName, OutputSink, StreamName,
 };
-use tchmem_wire::estimate::OptimizerRule;
 
 impl<R: Runner> Cells<R> {
     /// `%memestimate`.
@@ -69,7 +69,16 @@ impl<R: Runner> Cells<R> {
             accumulate: request.accumulate,
             ..calibrated.clone()
         };
-        let mut what = estimate_label(&cell.binding.name, effective, &full, &rule);
+        // The notebook's own optimizer, when the trials keep it: no rule counts its state.
+        let written = cell
+            .written_optimizer
+            .as_ref()
+            .filter(|_| request.optimizer.is_none());
+        let rule_words = written.map_or_else(
+            || rule.label().to_string(),
+            |optimizer| format!("{} (the notebook's)", optimizer.type_name),
+        );
+        let mut what = estimate_label(&cell.binding.name, effective, &full, &rule_words);
         if let Some(dp) = request.data_parallel {
             what.push_str(&format!(", per rank of {} ({target} each)", dp.ranks));
             if let Some(stage) = dp.zero {
@@ -121,9 +130,11 @@ impl<R: Runner> Cells<R> {
             let fixed = calibration
                 .fixed_on_rank(&rule, zero_ranks)
                 .unwrap_or_default();
-            (io.output)(CellOutput::Display(
-                table.replaced_by(fixed_terms_display(&what, &fixed)),
-            ));
+            (io.output)(CellOutput::Display(table.replaced_by(fixed_terms_display(
+                &what,
+                &fixed,
+                written.map(WrittenOptimizer::described).as_deref(),
+            ))));
             return CellOutcome::default();
         }
         let scenario = Scenario {
@@ -134,9 +145,12 @@ impl<R: Runner> Cells<R> {
             zero_ranks,
         };
         self.replay_heaviest(&mut calibration, scenario.micro_batch());
-        let Some(prediction) = calibration.predict(&scenario) else {
+        let Some(mut prediction) = calibration.predict(&scenario) else {
             return CellOutcome::default();
         };
+        if let Some(optimizer) = written {
+            prediction.state_measured_in_line(&optimizer.described());
+        }
         let context = room.and_then(|r| r.context).unwrap_or(0);
         let capacity = room.map_or(0, |r| r.allocator_limit()) + context;
         let trials: Vec<Trial> = calibration
@@ -417,13 +431,14 @@ fn trials_refused(options: &Options) -> String {
     }
 }
 
-/// What an estimate is of, for its heading: the batch, the rewrites and the optimizer's rule.
-fn estimate_label(name: &str, batch: u64, options: &Options, rule: &OptimizerRule) -> String {
+/// What an estimate is of, for its heading: the batch, the rewrites and the optimizer (its
+/// rule's name, or the notebook's own type).
+fn estimate_label(name: &str, batch: u64, options: &Options, optimizer: &str) -> String {
     let mut what = vec![format!("{name} = {batch}")];
     let flags = options.flags();
     if !flags.is_empty() {
         what.push(flags);
     }
-    what.push(rule.label().to_string());
+    what.push(optimizer.to_string());
     what.join(", ")
 }

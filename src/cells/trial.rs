@@ -13,7 +13,7 @@ use crate::fit::trial::{AlgorithmSearch, Measured, Outcome, Trial};
 use crate::magics::CellMagicSource;
 use crate::report::fit::{verdict_of, LiveTable};
 use crate::rewrite::batch::{self, BatchBinding};
-use crate::rewrite::earlier::{Assembled, Brought, Wanted};
+use crate::rewrite::earlier::{Assembled, Brought, Wanted, WrittenOptimizer};
 use crate::rewrite::{self, Options, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, ErrorName};
 
@@ -45,6 +45,9 @@ pub(super) struct TrainingCell {
     /// The optimizer's state rule; a cell whose optimizer is not recognised counts none (its
     /// state then lies on the calibration's line).
     pub rule: OptimizerRule,
+    /// The optimizer the notebook wrote that the cell steps, when it is one (no rule counts
+    /// its state: the trials measure it on their line).
+    pub written_optimizer: Option<WrittenOptimizer>,
 }
 
 impl TrainingCell {
@@ -104,9 +107,12 @@ impl<R: Runner> Cells<R> {
                 format!("{magic} runs the cell in trials: {why}"),
             ));
         }
-        let rule = rewrite::training_facts(&assembled.code)
-            .optimizer
-            .map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
+        let known_rule = rewrite::training_facts(&assembled.code).optimizer;
+        let written_optimizer = known_rule
+            .is_none()
+            .then(|| assembled.known.written_optimizers.first().cloned())
+            .flatten();
+        let rule = known_rule.map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
         self.last_training_cell = Some((self.runs, code.clone()));
         Ok(TrainingCell {
             code,
@@ -114,6 +120,7 @@ impl<R: Runner> Cells<R> {
             assembled,
             binding,
             rule,
+            written_optimizer,
         })
     }
 

@@ -102,6 +102,21 @@ impl Line {
     }
 }
 
+impl Prediction {
+    /// For an optimizer no rule counts (`optimizer`, one the notebook wrote): its state is in
+    /// the trials' line with the activations, and its category says so instead of a rule.
+    pub fn state_measured_in_line(&mut self, optimizer: &str) {
+        for category in &mut self.categories {
+            if category.name == CategoryName::OptimizerState {
+                category.how = format!(
+                    "not counted apart: {optimizer} is the notebook's own optimizer; the trials \
+                     ran it, so its state is in the next line with the activations"
+                );
+            }
+        }
+    }
+}
+
 /// Two (or one) trials of one configuration at small batch sizes, for the lines.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Calibration {
@@ -919,6 +934,30 @@ pub(crate) mod tests {
         assert_eq!(whole.zero_share(&shapes(), &adam, 1), whole);
         let many = whole.zero_share(&shapes(), &adam, 16);
         assert_eq!(many.optimizer_state, 2 * 1024 * 1024 * 4 + 4);
+    }
+
+    #[test]
+    fn the_state_of_an_optimizer_no_rule_counts_is_said_to_be_in_the_line() {
+        let mut prediction = calibrated(&[8, 16])
+            .predict(&scenario(32, 1, OptimizerRule::Sgd { momentum: false }))
+            .unwrap();
+        let peak = prediction.peak_allocated;
+        prediction.state_measured_in_line("`opt` (a `SparseAdam`, built in cell [4])");
+        let state = prediction
+            .categories
+            .iter()
+            .find(|c| c.name == CategoryName::OptimizerState)
+            .unwrap();
+        assert_eq!(state.bytes, 0);
+        assert!(
+            state
+                .how
+                .starts_with("not counted apart: `opt` (a `SparseAdam`"),
+            "{}",
+            state.how
+        );
+        assert!(!state.how.contains("SGD"), "{}", state.how);
+        assert_eq!(prediction.peak_allocated, peak);
     }
 
     #[test]

@@ -821,21 +821,36 @@ pub fn fit_summary(confirmed: &[(Candidate, Trial)], budget: u64, context: u64) 
     )
 }
 
-/// On CPU: the fixed terms only, exact.
-pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
+/// On CPU: the fixed terms only, exact; `unread` names an optimizer whose state no rule counts
+/// (one the notebook wrote).
+pub fn fixed_terms_display(what: &str, fixed: &Fixed, unread: Option<&str>) -> Display {
     // No gradient term beside parameters: the optimizer steps in backward.
     let gradients = match (fixed.gradients, fixed.parameters) {
         (0, p) if p > 0 => "0 B (freed in backward, --step-in-backward)".to_string(),
         (g, _) => human_bytes(g),
     };
+    let (state, total) = match unread {
+        Some(optimizer) => (
+            format!(
+                "not counted: {optimizer} is the notebook's own optimizer, whose state trials \
+                 on a CUDA device measure"
+            ),
+            format!(
+                "{}   without the optimizer's state",
+                human_bytes(fixed.total())
+            ),
+        ),
+        None => (
+            human_bytes(fixed.optimizer_state),
+            human_bytes(fixed.total()),
+        ),
+    };
     let text = format!(
         "Estimate, {what}: on CPU only the fixed terms are known (activations are calibrated on \
          the CUDA allocator's counters):\n  parameters       {}\n  gradients        {}\n  \
-         optimizer state  {}\n  total            {}",
+         optimizer state  {state}\n  total            {total}",
         human_bytes(fixed.parameters),
         gradients,
-        human_bytes(fixed.optimizer_state),
-        human_bytes(fixed.total())
     );
     let mut display = crate::report::text_display(text);
     display.data.insert(
@@ -844,7 +859,7 @@ pub fn fixed_terms_display(what: &str, fixed: &Fixed) -> Display {
             "what": what,
             "parameters": fixed.parameters,
             "gradients": fixed.gradients,
-            "optimizer_state": fixed.optimizer_state,
+            "optimizer_state": unread.is_none().then_some(fixed.optimizer_state),
         }),
     );
     display
@@ -858,10 +873,22 @@ pub struct ModelTerms<'a> {
     pub fixed: Fixed,
     /// Frozen variables: held, with no gradient or state.
     pub frozen: u64,
-    /// The optimizer rule's name, for its line (`None`: no optimizer built yet).
-    pub rule: Option<&'a str>,
+    /// What the optimizer state line counts.
+    pub state: StateCounted<'a>,
     /// The CUDA context beside the allocator, and the device's memory (`None` on CPU).
     pub device: Option<(u64, u64)>,
+}
+
+/// What the optimizer state line of [`ModelTerms`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateCounted<'a> {
+    /// The state of the named rule.
+    Rule(&'a str),
+    /// None: no optimizer is built yet.
+    NoOptimizer,
+    /// Nothing: the optimizer's state cannot be read before it runs (one the notebook wrote,
+    /// "`opt` (a `SparseAdam`, built in cell [4])").
+    Unread(&'a str),
 }
 
 /// `%memestimate` before a training loop: the exact terms, what they leave of the device, and
@@ -883,14 +910,21 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
             "  gradients        {:>10}   one per trainable parameter, made by the first backward",
             human_bytes(fixed.gradients)
         ),
-        format!(
-            "  optimizer state  {:>10}   {}",
-            human_bytes(fixed.optimizer_state),
-            match terms.rule {
-                Some(rule) => format!("{rule}'s rule, made by the first step"),
-                None => "no optimizer built yet (`--optimizer NAME` counts one)".into(),
-            }
-        ),
+        match terms.state {
+            StateCounted::Rule(rule) => format!(
+                "  optimizer state  {:>10}   {rule}'s rule, made by the first step",
+                human_bytes(fixed.optimizer_state)
+            ),
+            StateCounted::NoOptimizer => format!(
+                "  optimizer state  {:>10}   no optimizer built yet (`--optimizer NAME` counts one)",
+                human_bytes(fixed.optimizer_state)
+            ),
+            StateCounted::Unread(optimizer) => format!(
+                "  optimizer state  not counted  {optimizer}: its state cannot be read before it \
+                 runs. %memestimate on the training cell measures it in trials (on a CUDA \
+                 device); `--optimizer NAME` counts a known rule's"
+            ),
+        },
     ];
     let total = fixed.total() + terms.frozen + terms.device.map_or(0, |(context, _)| context);
     if let Some((context, _)) = terms.device {
@@ -899,7 +933,16 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
             human_bytes(context)
         ));
     }
-    lines.push(format!("  total            {:>10}", human_bytes(total)));
+    let unread = matches!(terms.state, StateCounted::Unread(_));
+    lines.push(format!(
+        "  total            {:>10}{}",
+        human_bytes(total),
+        if unread {
+            "   without the optimizer's state"
+        } else {
+            ""
+        }
+    ));
     match terms.device {
         Some((_, device)) => lines.push(format!(
             "Of the device's {}, {} is left for the activations, the input batch and the \
@@ -921,7 +964,7 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
             "what": terms.what,
             "parameters": fixed.parameters + terms.frozen,
             "gradients": fixed.gradients,
-            "optimizer_state": fixed.optimizer_state,
+            "optimizer_state": (!unread).then_some(fixed.optimizer_state),
             "context": terms.device.map(|(context, _)| context),
             "device": terms.device.map(|(_, device)| device),
         }),
@@ -1361,7 +1404,7 @@ mod tests {
             what: "the model in `vs` (cell [2])",
             fixed,
             frozen: 1 << 20,
-            rule: Some("Adam"),
+            state: StateCounted::Rule("Adam"),
             device: Some((512 << 20, 80 << 30)),
         };
         let display = model_terms_display(&terms);
@@ -1374,7 +1417,7 @@ mod tests {
         let json = &display.data[ESTIMATE_MIME];
         assert_eq!(json["parameters"], (1u64 << 30) + (1 << 20));
         let cpu = model_terms_display(&ModelTerms {
-            rule: None,
+            state: StateCounted::NoOptimizer,
             device: None,
             ..terms
         });
@@ -1384,5 +1427,32 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("CUDA context"), "{text}");
+        assert!(cpu.data[ESTIMATE_MIME]["optimizer_state"].is_u64());
+        // An optimizer the notebook wrote: its state is not counted, and the total says so.
+        let unread = model_terms_display(&ModelTerms {
+            fixed: Fixed {
+                optimizer_state: 0,
+                ..fixed
+            },
+            state: StateCounted::Unread("`opt` (a `SparseAdam`, built in cell [4])"),
+            device: None,
+            ..terms
+        });
+        let text = unread.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("optimizer state  not counted  `opt` (a `SparseAdam`"),
+            "{text}"
+        );
+        assert!(text.contains("without the optimizer's state"), "{text}");
+        assert!(unread.data[ESTIMATE_MIME]["optimizer_state"].is_null());
+        let trial = fixed_terms_display("batch = 8", &fixed, Some("`opt` (a `SparseAdam`)"));
+        let text = trial.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("not counted: `opt` (a `SparseAdam`)"),
+            "{text}"
+        );
+        assert!(trial.data[ESTIMATE_MIME]["optimizer_state"].is_null());
+        let known = fixed_terms_display("batch = 8", &fixed, None);
+        assert_eq!(known.data[ESTIMATE_MIME]["optimizer_state"], 2u64 << 30);
     }
 }

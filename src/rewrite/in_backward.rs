@@ -10,6 +10,7 @@ use syn::{Block, Expr};
 
 use super::cell::line_of;
 use super::change::Change;
+use super::earlier::WrittenOptimizer;
 use super::optimizer::{self, as_build, imports_nn_optimizer, Config};
 use super::syntax::{as_ident, is_nn_path};
 use super::tree::Tree;
@@ -46,23 +47,32 @@ fn counterpart(name: &str) -> Option<&'static str> {
 }
 
 /// Makes every optimizer built in the cell step inside backward.
-pub(crate) fn apply(block: &mut Block, changes: &mut Vec<Change>) -> Result<(), Refusal> {
+pub(crate) fn apply(
+    block: &mut Block,
+    written: &[WrittenOptimizer],
+    changes: &mut Vec<Change>,
+) -> Result<(), Refusal> {
     let tree = Tree::of(block);
     let found = optimizer::builds(&tree);
     if found.is_empty() {
         let step = super::step::the_step(&tree, FLAG).ok();
-        return Err(Refusal::new(
-            format!(
+        let line = step.as_ref().map(|s| s.line);
+        let message = match optimizer::stepped_written(step.as_ref(), written) {
+            Some(optimizer) => format!(
+                "{FLAG}: the training step's optimizer is {}, one the notebook wrote: its update \
+                 runs over every parameter at once in its own `step`, which cannot be taken \
+                 apart per parameter; it steps tch's optimizers (`nn::AdamW::default().build(&vs, \
+                 lr)`, Adam, Sgd) and tchmem::optim's in backward.",
+                optimizer.described()
+            ),
+            None => format!(
                 "{FLAG} looks for the optimizer the loop steps, built in this cell or an \
                  earlier one (`nn::AdamW::default().build(&vs, lr)`, Adam, Sgd, or one of \
                  tchmem::optim's); found none{}.",
-                match &step {
-                    Some(step) => format!(" (`{}` is used at the training step)", step.opt),
-                    None => String::new(),
-                }
+                optimizer::used_at_step(step.as_ref())
             ),
-            step.map(|s| s.line),
-        ));
+        };
+        return Err(Refusal::new(message, line));
     }
     for build in &found {
         if let Config::Nn { name, .. } = &build.config {

@@ -9,6 +9,8 @@ use syn::{Block, Expr, Stmt};
 
 use super::cell::line_of;
 use super::change::Change;
+use super::earlier::WrittenOptimizer;
+use super::step::Step;
 use super::syntax::{as_ident, comment, is_nn_path, segments, strip_parens};
 use super::tree::Tree;
 use super::{OptimizerChoice, Refusal};
@@ -168,10 +170,27 @@ pub(crate) fn builds(tree: &Tree) -> Vec<Build> {
     out
 }
 
+/// The optimizer of the notebook's own making that `step` steps, if it is one.
+pub(crate) fn stepped_written<'a>(
+    step: Option<&Step>,
+    written: &'a [WrittenOptimizer],
+) -> Option<&'a WrittenOptimizer> {
+    let step = step?;
+    written.iter().find(|optimizer| step.opt == optimizer.name)
+}
+
+/// " (`opt` is used at the training step)", or nothing without a step.
+pub(crate) fn used_at_step(step: Option<&Step>) -> String {
+    step.map_or(String::new(), |step| {
+        format!(" (`{}` is used at the training step)", step.opt)
+    })
+}
+
 /// Swaps every tch optimizer built in the cell for `choice`.
 pub(crate) fn swap(
     block: &mut Block,
     choice: OptimizerChoice,
+    written: &[WrittenOptimizer],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let flag = format!("--optimizer {}", choice.flag_value());
@@ -179,19 +198,27 @@ pub(crate) fn swap(
     let found = tch_builds(&tree);
     if found.is_empty() {
         let step = super::step::the_step(&tree, &flag).ok();
-        return Err(Refusal::new(
-            format!(
+        let line = step.as_ref().map(|s| s.line);
+        let message = match stepped_written(step.as_ref(), written) {
+            Some(optimizer) => format!(
+                "{flag}: the training step's optimizer is {}, one the notebook wrote, whose \
+                 update and learning rate the rewriter cannot read; it swaps tch's optimizers \
+                 (`nn::Adam::default().build(&vs, lr)`, AdamW, Sgd, RmsProp) for \
+                 tchmem::optim's. To compare the two, build tchmem's in place of `{}` \
+                 (`tchmem::optim::{}::default().build(&vs, lr)?`) and run the cell with each.",
+                optimizer.described(),
+                optimizer.name,
+                choice.type_name()
+            ),
+            None => format!(
                 "{flag} looks for an optimizer built in this cell: \
                  `nn::Adam::default().build(&vs, lr)` (or AdamW, Sgd, RmsProp; a struct literal \
                  like `nn::Adam {{ wd: 1e-4, ..Default::default() }}`; or `nn::adam(β1, β2, \
                  wd)`); found none{}. Build the optimizer in this cell.",
-                match &step {
-                    Some(step) => format!(" (`{}` is used at the training step)", step.opt),
-                    None => String::new(),
-                }
+                used_at_step(step.as_ref())
             ),
-            step.map(|s| s.line),
-        ));
+        };
+        return Err(Refusal::new(message, line));
     }
     // Methods tch's optimizer has and ours lacks would not compile after the swap.
     let variables: Vec<Ident> = found.iter().filter_map(|b| b.binding.clone()).collect();

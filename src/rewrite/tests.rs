@@ -1416,3 +1416,50 @@ fn rewrite_fused_loss_follows_reassignments_marks_once_and_rebuilds_no_earlier_h
     let assembled = assemble(cell, &earlier, head);
     assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
 }
+
+#[test]
+fn rewrite_of_tchs_optimizers_names_one_the_notebook_wrote() {
+    use super::earlier::{assemble, EarlierCell, Wanted};
+    // tch-rs's custom-optimizer example: `SparseAdam` built in an earlier cell, stepped here.
+    let earlier = [
+        EarlierCell {
+            run: 1,
+            code: "struct SparseAdam { lr: f64 }\nimpl SparseAdam {\n    fn new(vs: &VarStore, \
+                   lr: f64) -> SparseAdam { SparseAdam { lr } }\n    fn step(&mut self) {}\n}"
+                .into(),
+        },
+        EarlierCell {
+            run: 2,
+            code: "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+                   let mut opt = SparseAdam::new(&vs, 5e-3);"
+                .into(),
+        },
+    ];
+    let cell = "for _ in 0..2 {\n    let loss = net.forward(&xs).mean(Kind::Float);\n    \
+                opt.zero_grad();\n    loss.backward();\n    opt.step();\n}";
+    let assembled = assemble(cell, &earlier, Wanted::TRIAL);
+    for (flags, says) in [
+        (
+            "--optimizer lion",
+            "(`tchmem::optim::Lion::default().build(&vs, lr)?`)",
+        ),
+        ("--step-in-backward", "cannot be taken apart per parameter"),
+    ] {
+        let refusal =
+            rewrite_cell(&assembled.code, &options(flags), &assembled.known).expect_err(flags);
+        let refusal = assembled.in_cell_terms(refusal);
+        let message = refusal.to_string();
+        assert!(
+            message.contains(&format!(
+                "{flags}: the training step's optimizer is `opt` (a `SparseAdam`, built in cell \
+                 [2]), one the notebook wrote"
+            )),
+            "{message}"
+        );
+        assert!(message.contains(says), "{message}");
+        assert_eq!(refusal.line, Some(5), "{message}");
+    }
+    // What does not change the optimizer applies.
+    rewrite_cell(&assembled.code, &options("--amp bf16"), &assembled.known)
+        .unwrap_or_else(|refusal| panic!("{refusal}"));
+}

@@ -10,7 +10,7 @@ use syn::{Item, Stmt};
 
 use super::{Brought, EarlierCell};
 use crate::cell_syntax;
-use crate::rewrite::syntax::{as_ref_ident, single_name, walk_tokens};
+use crate::rewrite::syntax::{as_mut_ref_ident, as_ref_ident, single_name, walk_tokens};
 use crate::rewrite::tree::Tree;
 use crate::rewrite::{batch, cell, checkpoint, optimizer, rule_of};
 use tchmem_wire::estimate::OptimizerRule;
@@ -26,6 +26,9 @@ pub(super) struct Live {
     pub(super) module_types: HashMap<String, usize>,
     /// What each name the cells' `use` lines import stands for (the newest cell's).
     pub(super) imports: HashMap<String, Vec<String>>,
+    /// The types with a `step` method of their own (an optimizer written in the notebook),
+    /// with the cell of the newest such impl.
+    pub(super) stepping_types: HashMap<String, usize>,
 }
 
 impl Live {
@@ -36,6 +39,7 @@ impl Live {
             functions: HashMap::new(),
             module_types: HashMap::new(),
             imports: HashMap::new(),
+            stepping_types: HashMap::new(),
         };
         for earlier in earlier.iter().rev() {
             // Parsed once for the three readings below.
@@ -47,6 +51,9 @@ impl Live {
             }
             for module_type in module_impls(&parsed.block) {
                 live.module_types.entry(module_type).or_insert(earlier.run);
+            }
+            for stepping in stepping_impls(&parsed.block) {
+                live.stepping_types.entry(stepping).or_insert(earlier.run);
             }
             let definitions = definitions(&earlier.code, &parsed);
             for (index, definition) in definitions.into_iter().enumerate().rev() {
@@ -60,7 +67,48 @@ impl Live {
                     .or_insert((earlier.run, index, definition));
             }
         }
+        let written: Vec<String> = live
+            .values
+            .iter()
+            .filter(|(_, (_, _, d))| {
+                d.type_call.as_ref().is_some_and(|call| {
+                    live.stepping_types.contains_key(&call.type_name)
+                        && !live.module_types.contains_key(&call.type_name)
+                })
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        live.mark_written_optimizers(&written);
         live
+    }
+
+    /// Marks the values of `names` that a type's function builds on a whole VarStore
+    /// (`SparseAdam::new(&vs, 5e-3, …)`) as optimizers written in the notebook: the type has a
+    /// `step` method of its own, or the training cell steps the value. tch's models take a path
+    /// of the store (`vs.root()`), its optimizers the store itself.
+    pub(super) fn mark_written_optimizers(&mut self, names: &[String]) {
+        for name in names {
+            let store = self.values.get(name).and_then(|(_, _, d)| {
+                let call = d.type_call.as_ref().filter(|_| d.what.is_none())?;
+                let store = call.arguments.iter().find(|argument| {
+                    self.values
+                        .get(*argument)
+                        .is_some_and(|(_, _, s)| matches!(s.what, Some(Defined::VarStore)))
+                })?;
+                Some((store.clone(), call.type_name.clone()))
+            });
+            let (Some((store, type_name)), Some((_, _, definition))) =
+                (store, self.values.get_mut(name))
+            else {
+                continue;
+            };
+            definition.what = Some(Defined::Brought(Brought::Optimizer));
+            definition.optimizer = Some(Built {
+                store: Some(store),
+                rule: None,
+                written: Some(type_name),
+            });
+        }
     }
 }
 
@@ -86,6 +134,55 @@ pub(super) struct Definition {
     pub(super) function: bool,
     /// Whether it calls `nn::seq()` or `nn::seq_t()` itself.
     pub(super) has_seq: bool,
+    /// For a `let` of a type's function (`SparseAdam::new(&vs, 5e-3)?`): the type and the
+    /// variables passed whole.
+    pub(super) type_call: Option<TypeCall>,
+}
+
+/// A value built by a type's function (`SparseAdam::new(&vs, 5e-3, 0.9)`, perhaps with `?` or
+/// `.unwrap()`), and the variables it is given whole (`vs` of `&vs`, `&mut vs` or `vs`).
+pub(super) struct TypeCall {
+    pub(super) type_name: String,
+    pub(super) arguments: Vec<String>,
+}
+
+impl TypeCall {
+    /// The call `init` makes, when it is a function of a type (the path's segment before the
+    /// function starts with a capital: `SparseAdam::new`, not `nn::linear`).
+    fn of(init: &syn::Expr) -> Option<TypeCall> {
+        let mut expr = init;
+        let call = loop {
+            expr = match expr {
+                syn::Expr::Try(inner) => &inner.expr,
+                syn::Expr::Paren(inner) => &inner.expr,
+                syn::Expr::MethodCall(call)
+                    if call.method == "unwrap" || call.method == "expect" =>
+                {
+                    &call.receiver
+                }
+                syn::Expr::Call(call) => break call,
+                _ => return None,
+            };
+        };
+        let syn::Expr::Path(func) = &*call.func else {
+            return None;
+        };
+        let segments = &func.path.segments;
+        let type_name = segments.iter().rev().nth(1)?.ident.to_string();
+        if !type_name.starts_with(char::is_uppercase) || func.qself.is_some() {
+            return None;
+        }
+        let arguments = call
+            .args
+            .iter()
+            .filter_map(|argument| as_ref_ident(argument).or_else(|| as_mut_ref_ident(argument)))
+            .map(|ident| ident.to_string())
+            .collect();
+        Some(TypeCall {
+            type_name,
+            arguments,
+        })
+    }
 }
 
 impl Definition {
@@ -117,6 +214,8 @@ pub(super) struct Built {
     /// `vs` of `.build(&vs, ..)`.
     pub(super) store: Option<String>,
     pub(super) rule: Option<(String, OptimizerRule)>,
+    /// For an optimizer written in the notebook: its type (`SparseAdam`).
+    pub(super) written: Option<String>,
 }
 
 /// The top-level bindings of `code`, `parsed` (a `let` of one name, a `const`, a `static`).
@@ -134,6 +233,7 @@ fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
             let built = Built {
                 store: as_ref_ident(&build.vs).map(|ident| ident.to_string()),
                 rule: rule_of(&build.config),
+                written: None,
             };
             (build.index, built)
         })
@@ -180,6 +280,13 @@ fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
             },
             function: matches!(stmt, Stmt::Item(Item::Fn(_))),
             has_seq: checkpoint::builds_seq(stmt),
+            type_call: match stmt {
+                Stmt::Local(local) => local
+                    .init
+                    .as_ref()
+                    .and_then(|init| TypeCall::of(&init.expr)),
+                _ => None,
+            },
         });
     }
     out
@@ -188,6 +295,23 @@ fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
 /// The types the cell implements `Module` or `ModuleT` for (`impl nn::ModuleT for Net`), or
 /// gives a `forward`/`forward_t` method of their own (`impl Vae { fn forward(..) }`).
 fn module_impls(block: &syn::Block) -> Vec<String> {
+    impl_types(block, |item| match &item.trait_ {
+        Some((_, path, _)) => path
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT"),
+        None => has_method(item, &["forward", "forward_t"]),
+    })
+}
+
+/// The types the cell gives a `step` method (inherent or of a trait): optimizers written in the
+/// notebook.
+fn stepping_impls(block: &syn::Block) -> Vec<String> {
+    impl_types(block, |item| has_method(item, &["step"]))
+}
+
+/// The types of the cell's top-level impls that `pick` takes.
+fn impl_types(block: &syn::Block, pick: impl Fn(&syn::ItemImpl) -> bool) -> Vec<String> {
     block
         .stmts
         .iter()
@@ -195,24 +319,21 @@ fn module_impls(block: &syn::Block) -> Vec<String> {
             let Stmt::Item(Item::Impl(item)) = stmt else {
                 return None;
             };
-            let module = match &item.trait_ {
-                Some((_, path, _)) => path
-                    .segments
-                    .last()
-                    .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT"),
-                None => item.items.iter().any(|member| {
-                    matches!(member, syn::ImplItem::Fn(f)
-                        if f.sig.ident == "forward" || f.sig.ident == "forward_t")
-                }),
-            };
             let syn::Type::Path(ty) = &*item.self_ty else {
                 return None;
             };
-            module
+            pick(item)
                 .then(|| ty.path.segments.last().map(|s| s.ident.to_string()))
                 .flatten()
         })
         .collect()
+}
+
+/// Whether the impl has a method of one of `names`.
+fn has_method(item: &syn::ItemImpl, names: &[&str]) -> bool {
+    item.items.iter().any(|member| {
+        matches!(member, syn::ImplItem::Fn(f) if names.iter().any(|name| f.sig.ident == name))
+    })
 }
 
 /// Every identifier in `tokens` (a superset of the names they use).

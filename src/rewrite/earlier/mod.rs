@@ -138,6 +138,30 @@ pub struct Known {
     /// The variables of earlier cells the cell uses that hold an `nn::linear` (a head
     /// `--fused-loss` can take apart where the cell applies it).
     pub linears: Vec<String>,
+    /// The optimizers brought in that the notebook wrote itself (a type of its own with a
+    /// `step` method, built on the store): rewrites that change tch's optimizers say so.
+    pub written_optimizers: Vec<WrittenOptimizer>,
+}
+
+/// An optimizer of a type the notebook wrote (`let mut opt = SparseAdam::new(&vs, 5e-3, …);`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenOptimizer {
+    /// Its variable.
+    pub name: String,
+    /// The cell that built it.
+    pub run: usize,
+    /// Its type.
+    pub type_name: String,
+}
+
+impl WrittenOptimizer {
+    /// How a refusal names it: "`opt` (a `SparseAdam`, built in cell [4])".
+    pub fn described(&self) -> String {
+        format!(
+            "`{}` (a `{}`, built in cell [{}])",
+            self.name, self.type_name, self.run
+        )
+    }
 }
 
 impl Assembled {
@@ -254,7 +278,9 @@ pub fn assemble_with(
     wanted: Wanted,
     sources: ModuleSources<'_>,
 ) -> Assembled {
-    let all = Live::of(earlier);
+    let mut all = Live::of(earlier);
+    all.mark_written_optimizers(&stepped(cell));
+    let all = all;
     let live = &all.values;
     let direct = free_names(cell);
     let model = if wanted.model {
@@ -342,6 +368,17 @@ pub fn assemble_with(
         .collect();
     var_stores.sort();
     let functions = called_functions(cell, &all);
+    let written_optimizers = rebuilt
+        .iter()
+        .filter_map(|rebuilt| {
+            let built = live[&rebuilt.name].2.optimizer.as_ref()?;
+            Some(WrittenOptimizer {
+                name: rebuilt.name.clone(),
+                run: rebuilt.run,
+                type_name: built.written.clone()?,
+            })
+        })
+        .collect();
 
     let mut prelude = String::new();
     for rebuilt in &rebuilt {
@@ -359,8 +396,20 @@ pub fn assemble_with(
             functions,
             models,
             linears,
+            written_optimizers,
         },
     }
+}
+
+/// The optimizers `cell`'s training steps step (`opt` of `opt.step()` after a backward).
+fn stepped(cell: &str) -> Vec<String> {
+    let Ok(parsed) = crate::rewrite::cell::parse(cell) else {
+        return Vec::new();
+    };
+    crate::rewrite::step::find_all(&crate::rewrite::tree::Tree::of(&parsed.block))
+        .into_iter()
+        .map(|step| step.opt.to_string())
+        .collect()
 }
 
 /// The functions of `live` that `cell` calls, directly or through one another, by name.
@@ -490,6 +539,85 @@ mod tests {
             },
         );
         assert_eq!((none.code.as_str(), none.prelude_lines), (LOOP, 0));
+    }
+
+    /// tch-rs's custom-optimizer example, cut down: a type of the notebook's with a `step`.
+    const WRITTEN: &str = "struct SparseAdam { vars: Arc<Mutex<Variables>>, lr: f64 }\n\
+                           impl SparseAdam {\n\
+                           \x20   pub fn new(vs: &VarStore, lr: f64) -> SparseAdam { todo!() }\n\
+                           \x20   pub fn step(&mut self) {}\n\
+                           \x20   pub fn zero_grad(&mut self) {}\n}\n\
+                           fn net(vs: &nn::Path) -> impl Module {\n\
+                           \x20   nn::seq().add(nn::linear(vs / \"l\", 784, 10, Default::default()))\n}";
+    const WRITTEN_LOOP: &str = "for (x, y) in m.train_iter(BATCH_SIZE).shuffle() {\n\
+                                \x20   let loss = net.forward(&x).cross_entropy_for_logits(&y);\n\
+                                \x20   opt.zero_grad();\n    loss.backward();\n    opt.step();\n}";
+
+    #[test]
+    fn an_optimizer_the_notebook_wrote_is_built_afresh_and_leaves_the_model_whole() {
+        let earlier = cells(&[
+            WRITTEN,
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+             let force_sparse = false;\nlet mut opt = SparseAdam::new(&vs, 5e-3);",
+        ]);
+        // Trials step a fresh one: the notebook's keeps its state.
+        let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
+        let brought: Vec<(&str, Brought)> = assembled
+            .rebuilt
+            .iter()
+            .map(|r| (r.name.as_str(), r.what))
+            .collect();
+        assert_eq!(brought, [("opt", Brought::Optimizer)]);
+        assert!(assembled
+            .code
+            .starts_with("// from cell [2]\nlet mut opt = SparseAdam::new(&vs, 5e-3);\nfor"));
+        assert_eq!(
+            assembled.known.written_optimizers,
+            [WrittenOptimizer {
+                name: "opt".into(),
+                run: 2,
+                type_name: "SparseAdam".into()
+            }]
+        );
+        // It is the optimizer, not a second model on the store: `--checkpoint` rebuilds the
+        // model, and the optimizer on the new store after it.
+        let wanted = Wanted {
+            model: true,
+            ..Wanted::TRIAL
+        };
+        let kinds: Vec<Brought> = assemble(WRITTEN_LOOP, &earlier, wanted)
+            .rebuilt
+            .iter()
+            .map(|r| r.what)
+            .collect();
+        assert_eq!(kinds, [Brought::Model, Brought::Optimizer]);
+        // Before any loop, %memestimate names it.
+        let optimizer = live_model(&earlier).unwrap().optimizer.unwrap();
+        assert_eq!(optimizer.written.as_deref(), Some("SparseAdam"));
+        assert_eq!(optimizer.rule, None);
+    }
+
+    #[test]
+    fn a_type_built_on_the_store_is_an_optimizer_only_when_it_steps() {
+        // A model whose constructor takes the store itself, with no `step`, stays a model.
+        let earlier = cells(&[
+            "struct Net { fc: nn::Linear }\nimpl Net {\n    fn new(vs: &nn::VarStore) -> Net \
+             { todo!() }\n}",
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs);",
+        ]);
+        let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
+        assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+        // One of a crate's types (no impl in the notebook) is taken when the loop steps it.
+        let earlier = cells(&[
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+             let mut opt = lamb::Lamb::new(&vs, 1e-3).unwrap();",
+        ]);
+        let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
+        assert_eq!(assembled.rebuilt[0].name, "opt");
+        assert_eq!(assembled.known.written_optimizers[0].type_name, "Lamb");
+        assert!(assemble("let y = opt.lr();", &earlier, Wanted::TRIAL)
+            .rebuilt
+            .is_empty());
     }
 
     #[test]

@@ -273,6 +273,8 @@ pub struct LiveOptimizer {
     pub run: usize,
     /// Its type's name and state rule, when the kernel knows them.
     pub rule: Option<(String, OptimizerRule)>,
+    /// For an optimizer of a type the notebook wrote: the type (`SparseAdam`).
+    pub written: Option<String>,
 }
 
 /// The model the earlier cells left, `None` when no VarStore of theirs is live.
@@ -301,6 +303,7 @@ pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
                         name: name.clone(),
                         run: *run,
                         rule: built.rule.clone(),
+                        written: built.written.clone(),
                     },
                 )
             })
