@@ -103,15 +103,25 @@ impl Line {
 }
 
 impl Prediction {
-    /// For an optimizer no rule counts (`optimizer`, one the notebook wrote): its state is in
-    /// the trials' line with the activations, and its category says so instead of a rule.
+    /// For an optimizer no rule counts (`optimizer`, one the notebook wrote): the trials built
+    /// it afresh and ran it, so its state is on their line with the activations; the two
+    /// categories say so instead of a rule.
     pub fn state_measured_in_line(&mut self, optimizer: &str) {
         for category in &mut self.categories {
-            if category.name == CategoryName::OptimizerState {
-                category.how = format!(
-                    "not counted apart: {optimizer} is the notebook's own optimizer; the trials \
-                     ran it, so its state is in the next line with the activations"
-                );
+            match category.name {
+                CategoryName::OptimizerState => {
+                    category.how = format!(
+                        "not counted apart: {optimizer} is the notebook's own optimizer; its \
+                         state is in the activations' line, measured by the trials that ran it"
+                    );
+                }
+                CategoryName::Activations => {
+                    category.how = format!(
+                        "with the state of {optimizer}, which each trial built afresh: {}",
+                        category.how
+                    );
+                }
+                _ => {}
             }
         }
     }
@@ -957,6 +967,18 @@ pub(crate) mod tests {
             state.how
         );
         assert!(!state.how.contains("SGD"), "{}", state.how);
+        let activations = prediction
+            .categories
+            .iter()
+            .find(|c| c.name == CategoryName::Activations)
+            .unwrap();
+        assert!(
+            activations
+                .how
+                .starts_with("with the state of `opt` (a `SparseAdam`, built in cell [4]), which"),
+            "{}",
+            activations.how
+        );
         assert_eq!(prediction.peak_allocated, peak);
     }
 
