@@ -153,6 +153,14 @@ def _terms():
         "mnist_conv": (total(conv(5, 1, 32), conv(5, 32, 64), linear(1024, 1024), linear(1024, 10)), 0, adam),
         "mnist_nn": (total(linear(784, 128), linear(128, 10)), 0, adam),
         "custom_optimizer": (total(linear(784, 128), linear(128, 10)), 0, not_counted),
+        # Two stores, each with its Adam: the generator's transposed convolutions and the
+        # discriminator's convolutions (widths a sixteenth of the example's), no biases.
+        "gan": (total(conv(4, 128, 64, False), norm(64), conv(4, 64, 32, False), norm(32),
+                      conv(4, 32, 16, False), norm(16), conv(4, 16, 8, False), norm(8),
+                      conv(4, 8, 3, False),
+                      conv(4, 3, 8, False), conv(4, 8, 16, False), norm(16), conv(4, 16, 32, False),
+                      norm(32), conv(4, 32, 64, False), norm(64), conv(4, 64, 1, False)),
+                2 * (64 + 32 + 16 + 8) + 2 * (16 + 32 + 64), adam),
         "vae": (total(linear(784, 400), linear(400, 20), linear(400, 20), linear(20, 400), linear(400, 784)),
                 0, adam),
     }

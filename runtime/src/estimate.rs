@@ -56,6 +56,7 @@ pub fn model(stores: &[&VarStore]) -> Model {
             .map(|tensor| tensor.data_ptr() as usize)
             .collect();
         shapes.trainable.extend(trainable.iter().map(shape));
+        shapes.per_store.push(trainable.len());
         shapes.frozen_bytes += store
             .variables()
             .values()

@@ -8,35 +8,55 @@ use super::{fail, Cells, Runner};
 use crate::fit::estimate::Fixed;
 use crate::magics::fit::{DataParallel, EstimateRequest};
 use crate::report::fit::{model_terms_display, ModelTerms, StateCounted};
-use crate::rewrite::earlier::{self, LiveModel};
+use crate::rewrite::earlier::{self, LiveModel, LiveOptimizer, UnknownOptimizer};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName};
 
-/// What the terms are of, in words.
-fn model_words(model: &LiveModel, rule: Option<&str>) -> String {
+/// What the terms are of, in words: the stores, then each optimizer with its rule (`choice`,
+/// the one `--optimizer` counts, for all) or its type.
+fn model_words(model: &LiveModel, choice: Option<&str>) -> String {
     let stores: Vec<String> = model
         .stores
         .iter()
         .map(|(name, run)| format!("`{name}` (cell [{run}])"))
         .collect();
     let mut what = format!("the model in {}", stores.join(" and "));
-    match (&model.optimizer, rule) {
-        (Some(optimizer), Some(rule)) => what.push_str(&format!(
-            ", optimizer `{}` ({rule}, cell [{}])",
-            optimizer.name, optimizer.run
-        )),
-        (None, Some(rule)) => what.push_str(&format!(", with {rule}")),
-        (Some(optimizer), None) => what.push_str(&format!(
-            ", optimizer `{}` ({}cell [{}])",
-            optimizer.name,
-            optimizer
-                .written
-                .as_ref()
-                .map_or(String::new(), |type_name| format!("`{type_name}`, ")),
-            optimizer.run
-        )),
-        (None, None) => {}
+    let optimizers: Vec<String> = model
+        .optimizers
+        .iter()
+        .map(|optimizer| {
+            let kind = match (choice, &optimizer.rule, &optimizer.unknown) {
+                (Some(choice), _, _) => format!("{choice}, "),
+                (None, Some((_, rule)), _) => format!("{}, ", rule.label()),
+                (None, None, Some(unknown)) => format!("`{}`, ", unknown.name),
+                (None, None, None) => String::new(),
+            };
+            format!("`{}` ({kind}cell [{}])", optimizer.name, optimizer.run)
+        })
+        .collect();
+    match (optimizers.len(), choice) {
+        (0, Some(choice)) => what.push_str(&format!(", with {choice}")),
+        (0, None) => {}
+        (1, _) => what.push_str(&format!(", optimizer {}", optimizers[0])),
+        _ => what.push_str(&format!(", optimizers {}", optimizers.join(" and "))),
     }
     what
+}
+
+/// How the state line names an optimizer whose state no rule counts.
+fn unread(optimizer: &LiveOptimizer) -> String {
+    match &optimizer.unknown {
+        Some(kind) => UnknownOptimizer {
+            name: optimizer.name.clone(),
+            run: optimizer.run,
+            store: optimizer.store.clone(),
+            kind: kind.clone(),
+        }
+        .described(),
+        None => format!(
+            "`{}` (cell [{}]), an optimizer whose state rule the kernel does not know",
+            optimizer.name, optimizer.run
+        ),
+    }
 }
 
 impl<R: Runner> Cells<R> {
@@ -48,7 +68,7 @@ impl<R: Runner> Cells<R> {
             .stores
             .iter()
             .map(|(_, run)| *run)
-            .chain(model.optimizer.as_ref().map(|o| o.run))
+            .chain(model.optimizers.iter().map(|o| o.run))
             .max()
             .unwrap_or(0);
         self.last_training_cell
@@ -64,36 +84,38 @@ impl<R: Runner> Cells<R> {
         request: &EstimateRequest,
         io: &CellIo,
     ) -> CellOutcome {
-        let built = model.optimizer.as_ref().and_then(|o| o.rule.as_ref());
-        let rule = match request.optimizer.map(|choice| choice.rule()) {
-            Some(rule) => Some(rule),
-            None => built.map(|(_, rule)| *rule),
+        let choice = request.optimizer.map(|choice| choice.rule());
+        // Each store's rule: `--optimizer`'s, its optimizer's, or none (no state) without one.
+        let rule_of = |store: &str| -> Option<OptimizerRule> {
+            match model.optimizers.iter().find(|o| o.store == store) {
+                Some(optimizer) => choice.or(optimizer.rule.as_ref().map(|(_, rule)| *rule)),
+                None => Some(choice.unwrap_or(OptimizerRule::Sgd { momentum: false })),
+            }
         };
-        let rule_name = rule.map(|rule| rule.label().to_string());
-        let unread = model
-            .optimizer
-            .as_ref()
-            .map(|optimizer| match &optimizer.written {
-                Some(type_name) => format!(
-                    "`{}` (a `{type_name}`, built in cell [{}])",
-                    optimizer.name, optimizer.run
-                ),
-                None => format!(
-                    "`{}` (cell [{}]), an optimizer whose state rule the kernel does not know",
-                    optimizer.name, optimizer.run
-                ),
-            });
-        // No state counted without a rule: none yet, or one that cannot be read.
-        let (rule, state) = match (rule, &rule_name, &unread) {
-            (Some(rule), Some(name), _) => (rule, StateCounted::Rule(name)),
-            (_, _, Some(unread)) => (
-                OptimizerRule::Sgd { momentum: false },
-                StateCounted::Unread(unread),
-            ),
-            _ => (
-                OptimizerRule::Sgd { momentum: false },
-                StateCounted::NoOptimizer,
-            ),
+        // An optimizer no rule counts leaves the whole state uncounted, and the line says so.
+        let unread: Vec<String> = model
+            .optimizers
+            .iter()
+            .filter(|o| rule_of(&o.store).is_none())
+            .map(unread)
+            .collect();
+        let mut labels: Vec<&str> = Vec::new();
+        for optimizer in &model.optimizers {
+            if let Some(rule) = rule_of(&optimizer.store) {
+                if !labels.contains(&rule.label()) {
+                    labels.push(rule.label());
+                }
+            }
+        }
+        let choice_label = choice.map(|rule| rule.label());
+        let rule_words = choice_label.map_or_else(|| labels.join(" and "), str::to_string);
+        let unread_words = unread.join(" and ");
+        let state = if !unread.is_empty() {
+            StateCounted::Unread(&unread_words)
+        } else if model.optimizers.is_empty() && choice.is_none() {
+            StateCounted::NoOptimizer
+        } else {
+            StateCounted::Rule(&rule_words)
         };
         let stores: Vec<String> = model
             .stores
@@ -123,17 +145,39 @@ impl<R: Runner> Cells<R> {
         } else {
             None
         };
-        let mut what = model_words(model, rule_name.as_deref());
-        let mut fixed = Fixed::of(&shapes.trainable, &rule);
-        if let Some(DataParallel {
-            ranks,
-            zero: Some(stage),
-        }) = request.data_parallel
-        {
-            fixed = fixed.zero_share(&shapes.trainable, &rule, ranks as usize);
-            what.push_str(&format!(
-                ", on the most loaded of {ranks} ranks under ZeRO stage {stage}"
-            ));
+        let mut what = model_words(model, choice_label);
+        let zero_ranks = match request.data_parallel {
+            Some(DataParallel {
+                ranks,
+                zero: Some(stage),
+            }) => {
+                what.push_str(&format!(
+                    ", on the most loaded of {ranks} ranks under ZeRO stage {stage}"
+                ));
+                Some(ranks as usize)
+            }
+            _ => None,
+        };
+        // Store by store, each with its optimizer's rule (under ZeRO, each store's share of
+        // its most loaded rank: with several stores this may count more than one rank holds).
+        let by_store = shapes.trainable_by_store();
+        let mut fixed = Fixed::default();
+        for (index, trainable) in by_store.iter().enumerate() {
+            let store = if by_store.len() == model.stores.len() {
+                model.stores[index].0.as_str()
+            } else {
+                model.stores[0].0.as_str()
+            };
+            let rule = rule_of(store)
+                .filter(|_| unread.is_empty())
+                .unwrap_or(OptimizerRule::Sgd { momentum: false });
+            let mut own = Fixed::of(trainable, &rule);
+            if let Some(ranks) = zero_ranks {
+                own = own.zero_share(trainable, &rule, ranks);
+            }
+            fixed.parameters += own.parameters;
+            fixed.gradients += own.gradients;
+            fixed.optimizer_state += own.optimizer_state;
         }
         let terms = ModelTerms {
             what: &what,

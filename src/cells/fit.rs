@@ -14,7 +14,7 @@ use crate::report::fit::{
     estimate_display, fixed_terms_display, verdict_of, EstimateView, LiveTable,
 };
 use crate::report::format::human_bytes;
-use crate::rewrite::earlier::WrittenOptimizer;
+use crate::rewrite::earlier::UnknownOptimizer;
 use crate::rewrite::{self, Options};
 use crate::session::{
     CellError, CellIo, CellOutcome, CellOutput, ErrorName, OutputSink, StreamName,
@@ -71,12 +71,19 @@ impl<R: Runner> Cells<R> {
         };
         // The notebook's own optimizer, when the trials keep it: no rule counts its state.
         let written = cell
-            .written_optimizer
+            .unknown_optimizer
             .as_ref()
             .filter(|_| request.optimizer.is_none());
         let rule_words = written.map_or_else(
             || rule.label().to_string(),
-            |optimizer| format!("{} (the notebook's)", optimizer.type_name),
+            |optimizer| {
+                let whose = if optimizer.kind.in_notebook {
+                    "the notebook's"
+                } else {
+                    "a type tchmem does not know"
+                };
+                format!("{} ({whose})", optimizer.kind.name)
+            },
         );
         let mut what = estimate_label(&cell.binding.name, effective, &full, &rule_words);
         if let Some(dp) = request.data_parallel {
@@ -133,7 +140,7 @@ impl<R: Runner> Cells<R> {
             (io.output)(CellOutput::Display(table.replaced_by(fixed_terms_display(
                 &what,
                 &fixed,
-                written.map(WrittenOptimizer::described).as_deref(),
+                written.map(UnknownOptimizer::described).as_deref(),
             ))));
             return CellOutcome::default();
         }

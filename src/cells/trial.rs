@@ -13,7 +13,7 @@ use crate::fit::trial::{AlgorithmSearch, Measured, Outcome, Trial};
 use crate::magics::CellMagicSource;
 use crate::report::fit::{verdict_of, LiveTable};
 use crate::rewrite::batch::{self, BatchBinding};
-use crate::rewrite::earlier::{Assembled, Brought, Wanted, WrittenOptimizer};
+use crate::rewrite::earlier::{Assembled, Brought, UnknownOptimizer, Wanted};
 use crate::rewrite::{self, Options, Refusal};
 use crate::session::{CellError, CellIo, CellOutcome, ErrorName};
 
@@ -47,7 +47,7 @@ pub(super) struct TrainingCell {
     pub rule: OptimizerRule,
     /// The optimizer the notebook wrote that the cell steps, when it is one (no rule counts
     /// its state: the trials measure it on their line).
-    pub written_optimizer: Option<WrittenOptimizer>,
+    pub unknown_optimizer: Option<UnknownOptimizer>,
 }
 
 impl TrainingCell {
@@ -108,9 +108,9 @@ impl<R: Runner> Cells<R> {
             ));
         }
         let known_rule = rewrite::training_facts(&assembled.code).optimizer;
-        let written_optimizer = known_rule
+        let unknown_optimizer = known_rule
             .is_none()
-            .then(|| assembled.known.written_optimizers.first().cloned())
+            .then(|| assembled.known.unknown_optimizers.first().cloned())
             .flatten();
         let rule = known_rule.map_or(OptimizerRule::Sgd { momentum: false }, |(_, rule)| rule);
         self.last_training_cell = Some((self.runs, code.clone()));
@@ -120,7 +120,7 @@ impl<R: Runner> Cells<R> {
             assembled,
             binding,
             rule,
-            written_optimizer,
+            unknown_optimizer,
         })
     }
 

@@ -103,16 +103,17 @@ impl Line {
 }
 
 impl Prediction {
-    /// For an optimizer no rule counts (`optimizer`, one the notebook wrote): the trials built
+    /// For an optimizer no rule counts (`optimizer`, the notebook's own, say): the trials built
     /// it afresh and ran it, so its state is on their line with the activations; the two
     /// categories say so instead of a rule.
     pub fn state_measured_in_line(&mut self, optimizer: &str) {
         for category in &mut self.categories {
             match category.name {
                 CategoryName::OptimizerState => {
+                    category.exact = false;
                     category.how = format!(
-                        "not counted apart: {optimizer} is the notebook's own optimizer; its \
-                         state is in the activations' line, measured by the trials that ran it"
+                        "not counted apart: no rule counts the state of {optimizer}; it is in \
+                         the activations' line, measured by the trials that ran it"
                     );
                 }
                 CategoryName::Activations => {
@@ -958,11 +959,11 @@ pub(crate) mod tests {
             .iter()
             .find(|c| c.name == CategoryName::OptimizerState)
             .unwrap();
-        assert_eq!(state.bytes, 0);
+        assert_eq!((state.bytes, state.exact), (0, false));
         assert!(
-            state
-                .how
-                .starts_with("not counted apart: `opt` (a `SparseAdam`"),
+            state.how.starts_with(
+                "not counted apart: no rule counts the state of `opt` (a `SparseAdam`"
+            ),
             "{}",
             state.how
         );

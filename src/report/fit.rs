@@ -832,8 +832,8 @@ pub fn fixed_terms_display(what: &str, fixed: &Fixed, unread: Option<&str>) -> D
     let (state, total) = match unread {
         Some(optimizer) => (
             format!(
-                "not counted: {optimizer} is the notebook's own optimizer, whose state trials \
-                 on a CUDA device measure"
+                "not counted: no rule counts the state of {optimizer}; trials on a CUDA device \
+                 measure it"
             ),
             format!(
                 "{}   without the optimizer's state",
@@ -1448,7 +1448,7 @@ mod tests {
         let trial = fixed_terms_display("batch = 8", &fixed, Some("`opt` (a `SparseAdam`)"));
         let text = trial.data["text/plain"].as_str().unwrap();
         assert!(
-            text.contains("not counted: `opt` (a `SparseAdam`)"),
+            text.contains("not counted: no rule counts the state of `opt` (a `SparseAdam`)"),
             "{text}"
         );
         assert!(trial.data[ESTIMATE_MIME]["optimizer_state"].is_null());

@@ -10,7 +10,7 @@ use syn::{Block, Expr};
 
 use super::cell::line_of;
 use super::change::Change;
-use super::earlier::WrittenOptimizer;
+use super::earlier::UnknownOptimizer;
 use super::optimizer::{self, as_build, imports_nn_optimizer, Config};
 use super::syntax::{as_ident, is_nn_path};
 use super::tree::Tree;
@@ -49,7 +49,7 @@ fn counterpart(name: &str) -> Option<&'static str> {
 /// Makes every optimizer built in the cell step inside backward.
 pub(crate) fn apply(
     block: &mut Block,
-    written: &[WrittenOptimizer],
+    written: &[UnknownOptimizer],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let tree = Tree::of(block);
@@ -57,13 +57,14 @@ pub(crate) fn apply(
     if found.is_empty() {
         let step = super::step::the_step(&tree, FLAG).ok();
         let line = step.as_ref().map(|s| s.line);
-        let message = match optimizer::stepped_written(step.as_ref(), written) {
+        let message = match optimizer::stepped_unknown(step.as_ref(), written) {
             Some(optimizer) => format!(
-                "{FLAG}: the training step's optimizer is {}, one the notebook wrote: its update \
-                 runs over every parameter at once in its own `step`, which cannot be taken \
-                 apart per parameter; it steps tch's optimizers (`nn::AdamW::default().build(&vs, \
-                 lr)`, Adam, Sgd) and tchmem::optim's in backward.",
-                optimizer.described()
+                "{FLAG}: the training step's optimizer is {}, {}: its update runs over every \
+                 parameter at once in its own `step`, which cannot be taken apart per parameter; \
+                 it steps tch's optimizers (`nn::AdamW::default().build(&vs, lr)`, Adam, Sgd) and \
+                 tchmem::optim's in backward.",
+                optimizer.described(),
+                optimizer.origin()
             ),
             None => format!(
                 "{FLAG} looks for the optimizer the loop steps, built in this cell or an \

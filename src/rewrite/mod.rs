@@ -319,7 +319,7 @@ pub(crate) fn rewrite_cell(
     // cell ends up with.
     if let Some(choice) = options.optimizer {
         if !skip("optim", "--optimizer", &mut changes) {
-            optimizer::swap(&mut block, choice, &known.written_optimizers, &mut changes)?;
+            optimizer::swap(&mut block, choice, &known.unknown_optimizers, &mut changes)?;
         }
     }
     if let Some(segments) = options.checkpoint {
@@ -342,7 +342,7 @@ pub(crate) fn rewrite_cell(
     }
     let stepping_in_backward = syntax::stmts_mention(&block.stmts, "in_backward");
     if options.step_in_backward && !stepping_in_backward {
-        in_backward::apply(&mut block, &known.written_optimizers, &mut changes)?;
+        in_backward::apply(&mut block, &known.unknown_optimizers, &mut changes)?;
     } else if options.step_in_backward {
         changes.push(Change::general(
             "--step-in-backward: skipped, the cell's optimizer already steps in backward \

@@ -9,7 +9,7 @@ use syn::{Block, Expr, Stmt};
 
 use super::cell::line_of;
 use super::change::Change;
-use super::earlier::WrittenOptimizer;
+use super::earlier::UnknownOptimizer;
 use super::step::Step;
 use super::syntax::{as_ident, comment, is_nn_path, segments, strip_parens};
 use super::tree::Tree;
@@ -171,10 +171,10 @@ pub(crate) fn builds(tree: &Tree) -> Vec<Build> {
 }
 
 /// The optimizer of the notebook's own making that `step` steps, if it is one.
-pub(crate) fn stepped_written<'a>(
+pub(crate) fn stepped_unknown<'a>(
     step: Option<&Step>,
-    written: &'a [WrittenOptimizer],
-) -> Option<&'a WrittenOptimizer> {
+    written: &'a [UnknownOptimizer],
+) -> Option<&'a UnknownOptimizer> {
     let step = step?;
     written.iter().find(|optimizer| step.opt == optimizer.name)
 }
@@ -190,7 +190,7 @@ pub(crate) fn used_at_step(step: Option<&Step>) -> String {
 pub(crate) fn swap(
     block: &mut Block,
     choice: OptimizerChoice,
-    written: &[WrittenOptimizer],
+    written: &[UnknownOptimizer],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let flag = format!("--optimizer {}", choice.flag_value());
@@ -199,16 +199,18 @@ pub(crate) fn swap(
     if found.is_empty() {
         let step = super::step::the_step(&tree, &flag).ok();
         let line = step.as_ref().map(|s| s.line);
-        let message = match stepped_written(step.as_ref(), written) {
+        let message = match stepped_unknown(step.as_ref(), written) {
             Some(optimizer) => format!(
-                "{flag}: the training step's optimizer is {}, one the notebook wrote, whose \
-                 update and learning rate the rewriter cannot read; it swaps tch's optimizers \
+                "{flag}: the training step's optimizer is {}, {}, whose update and learning \
+                 rate the rewriter cannot read; it swaps tch's optimizers \
                  (`nn::Adam::default().build(&vs, lr)`, AdamW, Sgd, RmsProp) for \
                  tchmem::optim's. To compare the two, build tchmem's in place of `{}` \
-                 (`tchmem::optim::{}::default().build(&vs, lr)?`) and run the cell with each.",
+                 (`tchmem::optim::{}::default().build(&{}, lr)?`) and run the cell with each.",
                 optimizer.described(),
+                optimizer.origin(),
                 optimizer.name,
-                choice.type_name()
+                choice.type_name(),
+                optimizer.store
             ),
             None => format!(
                 "{flag} looks for an optimizer built in this cell: \

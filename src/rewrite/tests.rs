@@ -1425,7 +1425,8 @@ fn rewrite_of_tchs_optimizers_names_one_the_notebook_wrote() {
         EarlierCell {
             run: 1,
             code: "struct SparseAdam { lr: f64 }\nimpl SparseAdam {\n    fn new(vs: &VarStore, \
-                   lr: f64) -> SparseAdam { SparseAdam { lr } }\n    fn step(&mut self) {}\n}"
+                   lr: f64) -> SparseAdam { SparseAdam { lr } }\n    fn step(&mut self) {}\n    \
+                   fn zero_grad(&mut self) {}\n}"
                 .into(),
         },
         EarlierCell {

@@ -199,6 +199,28 @@ impl DeviceRoom {
 mod tests {
 
     #[test]
+    fn the_trainable_shapes_split_store_by_store() {
+        let shape = |n: i64| ParamShape {
+            dims: vec![n],
+            element_size: 4,
+        };
+        let mut shapes = ModelShapes {
+            trainable: vec![shape(1), shape(2), shape(3)],
+            per_store: vec![2, 0, 1],
+            ..ModelShapes::default()
+        };
+        let dims: Vec<Vec<i64>> = shapes
+            .trainable_by_store()
+            .iter()
+            .map(|store| store.iter().map(|s| s.dims[0]).collect())
+            .collect();
+        assert_eq!(dims, [vec![1, 2], vec![], vec![3]]);
+        // Counts that do not add up (an older runtime's answer): all in one.
+        shapes.per_store.clear();
+        assert_eq!(shapes.trainable_by_store(), [shapes.trainable.as_slice()]);
+    }
+
+    #[test]
     fn zero_shares_tensors_out_largest_first_to_the_least_loaded_rank() {
         // 100 → 0; 60 → 1; 50 → 1 (60 < 100); 40 → 0 (100 < 110); 10 → 1 (110 < 140).
         assert_eq!(
@@ -327,4 +349,26 @@ pub struct ModelShapes {
     pub frozen_bytes: u64,
     /// Whether the stores are on a CUDA device.
     pub cuda: bool,
+    /// How many of `trainable` each store holds, in the order the stores were given (each may
+    /// have an optimizer of its own).
+    #[serde(default)]
+    pub per_store: Vec<usize>,
+}
+
+impl ModelShapes {
+    /// `trainable` store by store (all in one when the stores' counts do not add up to it).
+    pub fn trainable_by_store(&self) -> Vec<&[ParamShape]> {
+        if self.per_store.iter().sum::<usize>() != self.trainable.len() {
+            return vec![&self.trainable];
+        }
+        let mut rest = self.trainable.as_slice();
+        self.per_store
+            .iter()
+            .map(|&count| {
+                let (store, after) = rest.split_at(count);
+                rest = after;
+                store
+            })
+            .collect()
+    }
 }

@@ -26,9 +26,8 @@ pub(super) struct Live {
     pub(super) module_types: HashMap<String, usize>,
     /// What each name the cells' `use` lines import stands for (the newest cell's).
     pub(super) imports: HashMap<String, Vec<String>>,
-    /// The types with a `step` method of their own (an optimizer written in the notebook),
-    /// with the cell of the newest such impl.
-    pub(super) stepping_types: HashMap<String, usize>,
+    /// The types with an optimizer's methods of their own (an optimizer the notebook wrote).
+    pub(super) stepping_types: HashSet<String>,
 }
 
 impl Live {
@@ -39,7 +38,7 @@ impl Live {
             functions: HashMap::new(),
             module_types: HashMap::new(),
             imports: HashMap::new(),
-            stepping_types: HashMap::new(),
+            stepping_types: HashSet::new(),
         };
         for earlier in earlier.iter().rev() {
             // Parsed once for the three readings below.
@@ -52,9 +51,7 @@ impl Live {
             for module_type in module_impls(&parsed.block) {
                 live.module_types.entry(module_type).or_insert(earlier.run);
             }
-            for stepping in stepping_impls(&parsed.block) {
-                live.stepping_types.entry(stepping).or_insert(earlier.run);
-            }
+            live.stepping_types.extend(stepping_impls(&parsed.block));
             let definitions = definitions(&earlier.code, &parsed);
             for (index, definition) in definitions.into_iter().enumerate().rev() {
                 let names = if definition.function {
@@ -67,26 +64,31 @@ impl Live {
                     .or_insert((earlier.run, index, definition));
             }
         }
-        let written: Vec<String> = live
-            .values
-            .iter()
-            .filter(|(_, (_, _, d))| {
-                d.type_call.as_ref().is_some_and(|call| {
-                    live.stepping_types.contains_key(&call.type_name)
-                        && !live.module_types.contains_key(&call.type_name)
-                })
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
-        live.mark_written_optimizers(&written);
         live
     }
 
-    /// Marks the values of `names` that a type's function builds on a whole VarStore
-    /// (`SparseAdam::new(&vs, 5e-3, …)`) as optimizers written in the notebook: the type has a
-    /// `step` method of its own, or the training cell steps the value. tch's models take a path
-    /// of the store (`vs.root()`), its optimizers the store itself.
-    pub(super) fn mark_written_optimizers(&mut self, names: &[String]) {
+    /// The values that a type of the notebook's makes on a whole VarStore
+    /// (`SparseAdam::new(&vs, 5e-3, …)`) when the type has an optimizer's methods of its own
+    /// (`fn step(&mut self)` and `zero_grad`; not a model's forward): what `%memestimate` counts
+    /// as optimizers before any loop.
+    pub(super) fn optimizers_of_the_notebook(&self) -> Vec<String> {
+        self.values
+            .iter()
+            .filter(|(_, (_, _, d))| {
+                d.type_call.as_ref().is_some_and(|call| {
+                    self.stepping_types.contains(&call.type_name)
+                        && !self.module_types.contains_key(&call.type_name)
+                })
+            })
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Marks the values of `names` that a type's function builds on a whole VarStore as
+    /// optimizers of a type tchmem does not know (the notebook's own, or a crate's): tch's models
+    /// take a path of the store (`vs.root()`), its optimizers the store itself. A trial then
+    /// builds one afresh from the statement.
+    pub(super) fn mark_unknown_optimizers(&mut self, names: &[String]) {
         for name in names {
             let store = self.values.get(name).and_then(|(_, _, d)| {
                 let call = d.type_call.as_ref().filter(|_| d.what.is_none())?;
@@ -102,14 +104,27 @@ impl Live {
             else {
                 continue;
             };
+            let in_notebook = self.stepping_types.contains(&type_name);
             definition.what = Some(Defined::Brought(Brought::Optimizer));
             definition.optimizer = Some(Built {
                 store: Some(store),
                 rule: None,
-                written: Some(type_name),
+                unknown: Some(UnknownType {
+                    name: type_name,
+                    in_notebook,
+                }),
             });
         }
     }
+}
+
+/// The type of an optimizer that is neither tch's nor tchmem's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownType {
+    /// Its name (`SparseAdam`).
+    pub name: String,
+    /// Whether an earlier cell implements it (the notebook wrote it), rather than a crate.
+    pub in_notebook: bool,
 }
 
 /// What a top-level definition of an earlier cell is, when it matters to a trial.
@@ -214,8 +229,8 @@ pub(super) struct Built {
     /// `vs` of `.build(&vs, ..)`.
     pub(super) store: Option<String>,
     pub(super) rule: Option<(String, OptimizerRule)>,
-    /// For an optimizer written in the notebook: its type (`SparseAdam`).
-    pub(super) written: Option<String>,
+    /// For an optimizer of a type tchmem does not know: that type.
+    pub(super) unknown: Option<UnknownType>,
 }
 
 /// The top-level bindings of `code`, `parsed` (a `let` of one name, a `const`, a `static`).
@@ -233,7 +248,7 @@ fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
             let built = Built {
                 store: as_ref_ident(&build.vs).map(|ident| ident.to_string()),
                 rule: rule_of(&build.config),
-                written: None,
+                unknown: None,
             };
             (build.index, built)
         })
@@ -304,10 +319,19 @@ fn module_impls(block: &syn::Block) -> Vec<String> {
     })
 }
 
-/// The types the cell gives a `step` method (inherent or of a trait): optimizers written in the
-/// notebook.
+/// The types the cell gives an optimizer's methods: `fn step(&mut self)` with no other input,
+/// and `zero_grad` (an EMA's `step` or a recurrent cell's `step(&self, x, state)` are not).
 fn stepping_impls(block: &syn::Block) -> Vec<String> {
-    impl_types(block, |item| has_method(item, &["step"]))
+    impl_types(block, |item| {
+        let steps = item.items.iter().any(|member| {
+            matches!(member, syn::ImplItem::Fn(f)
+                if f.sig.ident == "step"
+                    && f.sig.inputs.len() == 1
+                    && matches!(f.sig.inputs.first(),
+                        Some(syn::FnArg::Receiver(r)) if r.mutability.is_some()))
+        });
+        steps && has_method(item, &["zero_grad"])
+    })
 }
 
 /// The types of the cell's top-level impls that `pick` takes.

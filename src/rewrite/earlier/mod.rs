@@ -31,12 +31,14 @@ use std::collections::HashSet;
 use super::{Change, Refusal};
 use definitions::{all_names, free_names, Defined, Live};
 
+pub use definitions::UnknownType;
+
 pub(super) use definitions::names_in as identifiers;
 use model::{model_origin, rebuilt_library_model, rebuilt_model};
 
 pub use library::{LibraryModule, ModuleSources};
 
-pub use model::{live_model, LiveModel, ModelKind, ModelOrigin};
+pub use model::{live_model, LiveModel, LiveOptimizer, ModelKind, ModelOrigin};
 
 /// A cell that ran before, as the kernel kept it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,29 +140,40 @@ pub struct Known {
     /// The variables of earlier cells the cell uses that hold an `nn::linear` (a head
     /// `--fused-loss` can take apart where the cell applies it).
     pub linears: Vec<String>,
-    /// The optimizers brought in that the notebook wrote itself (a type of its own with a
-    /// `step` method, built on the store): rewrites that change tch's optimizers say so.
-    pub written_optimizers: Vec<WrittenOptimizer>,
+    /// The optimizers brought in that the cell steps and whose type tchmem does not know (the
+    /// notebook's own `SparseAdam`, a crate's): rewrites that change tch's optimizers say so.
+    pub unknown_optimizers: Vec<UnknownOptimizer>,
 }
 
-/// An optimizer of a type the notebook wrote (`let mut opt = SparseAdam::new(&vs, 5e-3, …);`).
+/// An optimizer of a type tchmem does not know, built on a store by an earlier cell
+/// (`let mut opt = SparseAdam::new(&vs, 5e-3, …);`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WrittenOptimizer {
+pub struct UnknownOptimizer {
     /// Its variable.
     pub name: String,
     /// The cell that built it.
     pub run: usize,
-    /// Its type.
-    pub type_name: String,
+    /// The VarStore it is built on.
+    pub store: String,
+    pub kind: UnknownType,
 }
 
-impl WrittenOptimizer {
-    /// How a refusal names it: "`opt` (a `SparseAdam`, built in cell [4])".
+impl UnknownOptimizer {
+    /// How a message names it: "`opt` (a `SparseAdam`, built in cell [4])".
     pub fn described(&self) -> String {
         format!(
             "`{}` (a `{}`, built in cell [{}])",
-            self.name, self.type_name, self.run
+            self.name, self.kind.name, self.run
         )
+    }
+
+    /// What it is: "one the notebook wrote", or one of a crate's type.
+    pub fn origin(&self) -> &'static str {
+        if self.kind.in_notebook {
+            "one the notebook wrote"
+        } else {
+            "one of a type tchmem does not know"
+        }
     }
 }
 
@@ -279,8 +292,8 @@ pub fn assemble_with(
     sources: ModuleSources<'_>,
 ) -> Assembled {
     let mut all = Live::of(earlier);
-    all.mark_written_optimizers(&stepped(cell));
-    let all = all;
+    // An optimizer of a type tchmem does not know is brought in only when the cell steps it.
+    all.mark_unknown_optimizers(&stepped(cell));
     let live = &all.values;
     let direct = free_names(cell);
     let model = if wanted.model {
@@ -368,14 +381,15 @@ pub fn assemble_with(
         .collect();
     var_stores.sort();
     let functions = called_functions(cell, &all);
-    let written_optimizers = rebuilt
+    let unknown_optimizers = rebuilt
         .iter()
         .filter_map(|rebuilt| {
             let built = live[&rebuilt.name].2.optimizer.as_ref()?;
-            Some(WrittenOptimizer {
+            Some(UnknownOptimizer {
                 name: rebuilt.name.clone(),
                 run: rebuilt.run,
-                type_name: built.written.clone()?,
+                store: built.store.clone()?,
+                kind: built.unknown.clone()?,
             })
         })
         .collect();
@@ -396,17 +410,17 @@ pub fn assemble_with(
             functions,
             models,
             linears,
-            written_optimizers,
+            unknown_optimizers,
         },
     }
 }
 
 /// The optimizers `cell`'s training steps step (`opt` of `opt.step()` after a backward).
 fn stepped(cell: &str) -> Vec<String> {
-    let Ok(parsed) = crate::rewrite::cell::parse(cell) else {
+    let Ok(parsed) = super::cell::parse(cell) else {
         return Vec::new();
     };
-    crate::rewrite::step::find_all(&crate::rewrite::tree::Tree::of(&parsed.block))
+    super::step::find_all(&super::tree::Tree::of(&parsed.block))
         .into_iter()
         .map(|step| step.opt.to_string())
         .collect()
@@ -572,11 +586,15 @@ mod tests {
             .code
             .starts_with("// from cell [2]\nlet mut opt = SparseAdam::new(&vs, 5e-3);\nfor"));
         assert_eq!(
-            assembled.known.written_optimizers,
-            [WrittenOptimizer {
+            assembled.known.unknown_optimizers,
+            [UnknownOptimizer {
                 name: "opt".into(),
                 run: 2,
-                type_name: "SparseAdam".into()
+                store: "vs".into(),
+                kind: UnknownType {
+                    name: "SparseAdam".into(),
+                    in_notebook: true
+                }
             }]
         );
         // It is the optimizer, not a second model on the store: `--checkpoint` rebuilds the
@@ -592,8 +610,11 @@ mod tests {
             .collect();
         assert_eq!(kinds, [Brought::Model, Brought::Optimizer]);
         // Before any loop, %memestimate names it.
-        let optimizer = live_model(&earlier).unwrap().optimizer.unwrap();
-        assert_eq!(optimizer.written.as_deref(), Some("SparseAdam"));
+        let optimizer = &live_model(&earlier).unwrap().optimizers[0];
+        assert_eq!(
+            optimizer.unknown.as_ref().map(|t| t.name.as_str()),
+            Some("SparseAdam")
+        );
         assert_eq!(optimizer.rule, None);
     }
 
@@ -607,6 +628,24 @@ mod tests {
         ]);
         let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
         assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+        // An EMA of the weights (a `step` but no `zero_grad`) beside tch's Adam is neither
+        // rebuilt by a trial nor counted as the optimizer.
+        let earlier = cells(&[
+            "struct Ema { decay: f64 }\nimpl Ema {\n    fn new(vs: &nn::VarStore, decay: f64) -> \
+             Ema { todo!() }\n    fn step(&mut self) {}\n}",
+            MODEL,
+            "let mut ema = Ema::new(&vs, 0.999);",
+        ]);
+        let with_ema = format!("{LOOP}\nema.step();");
+        let brought: Vec<String> = assemble(&with_ema, &earlier, Wanted::TRIAL)
+            .rebuilt
+            .into_iter()
+            .map(|r| r.name)
+            .collect();
+        assert_eq!(brought, ["opt"]);
+        let model = live_model(&earlier).unwrap();
+        assert_eq!(model.optimizers.len(), 1);
+        assert_eq!(model.optimizers[0].name, "opt");
         // One of a crate's types (no impl in the notebook) is taken when the loop steps it.
         let earlier = cells(&[
             "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
@@ -614,7 +653,12 @@ mod tests {
         ]);
         let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
         assert_eq!(assembled.rebuilt[0].name, "opt");
-        assert_eq!(assembled.known.written_optimizers[0].type_name, "Lamb");
+        let lamb = &assembled.known.unknown_optimizers[0];
+        assert_eq!(
+            (lamb.kind.name.as_str(), lamb.kind.in_notebook),
+            ("Lamb", false)
+        );
+        assert_eq!(lamb.origin(), "one of a type tchmem does not know");
         assert!(assemble("let y = opt.lr();", &earlier, Wanted::TRIAL)
             .rebuilt
             .is_empty());

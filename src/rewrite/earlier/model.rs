@@ -2,7 +2,7 @@
 //! `nn::seq_t()`, with the functions it calls, on a store of its own that the notebook's weights
 //! are copied into), and the model `%memestimate` counts before any loop.
 
-use super::definitions::{Defined, Definition, Live};
+use super::definitions::{Defined, Definition, Live, UnknownType};
 use super::library::{self, ModuleSources};
 use super::library_item;
 use super::{Brought, EarlierCell, Rebuilt};
@@ -257,11 +257,12 @@ pub(super) fn model_origin(name: &str, live: &Live) -> Option<ModelOrigin> {
 /// before any training loop ran).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveModel {
-    /// Its VarStores and the cells that made them: the one the optimizer is built on, else
-    /// every live one.
+    /// Its VarStores and the cells that made them: those its optimizers are built on (a GAN's
+    /// two), else every live one.
     pub stores: Vec<(String, usize)>,
-    /// The optimizer built on it, if one is.
-    pub optimizer: Option<LiveOptimizer>,
+    /// Its optimizers: those the cell of the newest optimizer built (the newest on each store),
+    /// in the order they were built.
+    pub optimizers: Vec<LiveOptimizer>,
 }
 
 /// An optimizer an earlier cell built.
@@ -271,15 +272,19 @@ pub struct LiveOptimizer {
     pub name: String,
     /// The cell that built it.
     pub run: usize,
+    /// The VarStore it is built on.
+    pub store: String,
     /// Its type's name and state rule, when the kernel knows them.
     pub rule: Option<(String, OptimizerRule)>,
-    /// For an optimizer of a type the notebook wrote: the type (`SparseAdam`).
-    pub written: Option<String>,
+    /// For an optimizer of a type tchmem does not know (the notebook's `SparseAdam`): the type.
+    pub unknown: Option<UnknownType>,
 }
 
 /// The model the earlier cells left, `None` when no VarStore of theirs is live.
 pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
-    let live = Live::of(earlier).values;
+    let mut live = Live::of(earlier);
+    live.mark_unknown_optimizers(&live.optimizers_of_the_notebook());
+    let live = live.values;
     let mut stores: Vec<(String, usize)> = live
         .iter()
         .filter(|(_, (_, _, d))| matches!(d.what, Some(Defined::VarStore)))
@@ -289,33 +294,43 @@ pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
     if stores.is_empty() {
         return None;
     }
-    // The newest optimizer built on a live store.
-    let optimizer = live
+    // Every optimizer built on a live store, as the cells built them; the newest on a store is
+    // the one that trains it.
+    let mut built: Vec<((usize, usize), LiveOptimizer)> = live
         .iter()
         .filter_map(|(name, (run, index, d))| {
             let built = d.optimizer.as_ref()?;
             let store = built.store.as_ref()?;
             stores.iter().any(|(s, _)| s == store).then(|| {
-                (
-                    (*run, *index),
-                    store.clone(),
-                    LiveOptimizer {
-                        name: name.clone(),
-                        run: *run,
-                        rule: built.rule.clone(),
-                        written: built.written.clone(),
-                    },
-                )
+                let optimizer = LiveOptimizer {
+                    name: name.clone(),
+                    run: *run,
+                    store: store.clone(),
+                    rule: built.rule.clone(),
+                    unknown: built.unknown.clone(),
+                };
+                ((*run, *index), optimizer)
             })
         })
-        .max_by_key(|(at, _, _)| *at);
-    if let Some((_, store, _)) = &optimizer {
-        stores.retain(|(s, _)| s == store);
+        .collect();
+    built.sort_by_key(|(at, _)| *at);
+    // Those the newest optimizer's cell built: one cell building several trains them together
+    // (the GAN's two); an optimizer of an earlier cell belongs to another experiment.
+    let newest_cell = built.last().map(|((run, _), _)| *run);
+    let mut optimizers: Vec<LiveOptimizer> = Vec::new();
+    for (_, optimizer) in built.into_iter().rev() {
+        if Some(optimizer.run) == newest_cell
+            && !optimizers
+                .iter()
+                .any(|newer| newer.store == optimizer.store)
+        {
+            optimizers.insert(0, optimizer);
+        }
     }
-    Some(LiveModel {
-        stores,
-        optimizer: optimizer.map(|(_, _, o)| o),
-    })
+    if !optimizers.is_empty() {
+        stores.retain(|(s, _)| optimizers.iter().any(|o| &o.store == s));
+    }
+    Some(LiveModel { stores, optimizers })
 }
 
 #[cfg(test)]
@@ -455,8 +470,11 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(model.stores, vec![("vs".to_string(), 2)]);
-        let optimizer = model.optimizer.unwrap();
+        let [optimizer] = model.optimizers.as_slice() else {
+            panic!("{:?}", model.optimizers)
+        };
         assert_eq!((optimizer.name.as_str(), optimizer.run), ("opt", 2));
+        assert_eq!(optimizer.store, "vs");
         assert_eq!(optimizer.rule, Some(("Adam".into(), OptimizerRule::Adam)));
         // No optimizer yet: every live store.
         let model = live_model(&cells(&[
@@ -465,7 +483,36 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(model.stores.len(), 2);
-        assert_eq!(model.optimizer, None);
+        assert!(model.optimizers.is_empty());
         assert_eq!(live_model(&cells(&["let x = 1;"])), None);
+        // tch-rs's GAN: two stores, each with its Adam; an older optimizer on one is replaced.
+        let gan = [
+            "let mut generator_vs = nn::VarStore::new(device);\n\
+             let mut opt_g = nn::Sgd::default().build(&generator_vs, 0.1)?;",
+            "let mut opt_g = nn::adam(0.5, 0.999, 0.).build(&generator_vs, LEARNING_RATE)?;\n\
+             let mut discriminator_vs = nn::VarStore::new(device);\n\
+             let mut opt_d = nn::adam(0.5, 0.999, 0.).build(&discriminator_vs, LEARNING_RATE)?;\n\
+             let unused_vs = nn::VarStore::new(device);",
+        ];
+        let model = live_model(&cells(&gan)).unwrap();
+        let stores: Vec<&str> = model.stores.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(stores, ["generator_vs", "discriminator_vs"]);
+        let optimizers: Vec<(&str, &str, usize)> = model
+            .optimizers
+            .iter()
+            .map(|o| (o.name.as_str(), o.store.as_str(), o.run))
+            .collect();
+        assert_eq!(
+            optimizers,
+            [
+                ("opt_g", "generator_vs", 2),
+                ("opt_d", "discriminator_vs", 2)
+            ]
+        );
+        // A model and optimizer built in a later cell are another experiment: they alone count.
+        let later = [gan[0], gan[1], MODEL];
+        let model = live_model(&cells(&later)).unwrap();
+        assert_eq!(model.stores, vec![("vs".to_string(), 3)]);
+        assert_eq!(model.optimizers.len(), 1);
     }
 }
