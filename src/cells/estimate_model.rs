@@ -59,6 +59,85 @@ fn unread(optimizer: &LiveOptimizer) -> String {
     }
 }
 
+/// How `%memestimate` before a loop counts each store's optimizer state.
+struct StateRules<'a> {
+    model: &'a LiveModel,
+    /// The rule `--optimizer NAME` counts for every store.
+    choice: Option<OptimizerRule>,
+}
+
+impl StateRules<'_> {
+    /// A store's rule: `--optimizer`'s, its optimizer's, none (no state) without an optimizer,
+    /// or `None` for an optimizer no rule counts.
+    fn rule_of(&self, store: &str) -> Option<OptimizerRule> {
+        match self.model.optimizers.iter().find(|o| o.store == store) {
+            Some(optimizer) => self
+                .choice
+                .or(optimizer.rule.as_ref().map(|(_, rule)| *rule)),
+            None => Some(
+                self.choice
+                    .unwrap_or(OptimizerRule::Sgd { momentum: false }),
+            ),
+        }
+    }
+
+    /// The optimizers no rule counts, named for the state line: any of them leaves the whole
+    /// state uncounted.
+    fn unread(&self) -> Vec<String> {
+        self.model
+            .optimizers
+            .iter()
+            .filter(|o| self.rule_of(&o.store).is_none())
+            .map(unread)
+            .collect()
+    }
+
+    /// The rules counted, in words ("Adam", "Adam and SGD").
+    fn words(&self) -> String {
+        if let Some(choice) = self.choice {
+            return choice.label().to_string();
+        }
+        let mut labels: Vec<&str> = Vec::new();
+        for optimizer in &self.model.optimizers {
+            if let Some(rule) = self.rule_of(&optimizer.store) {
+                if !labels.contains(&rule.label()) {
+                    labels.push(rule.label());
+                }
+            }
+        }
+        labels.join(" and ")
+    }
+
+    /// The fixed terms, store by store, each with its optimizer's rule (under ZeRO, each
+    /// store's share of its most loaded rank: with several stores this may count more than one
+    /// rank holds).
+    fn fixed(&self, shapes: &ModelShapes, zero_ranks: Option<usize>) -> Fixed {
+        let counted = self.unread().is_empty();
+        let by_store = shapes.trainable_by_store();
+        let stores = &self.model.stores;
+        let mut fixed = Fixed::default();
+        for (index, trainable) in by_store.iter().enumerate() {
+            let store = if by_store.len() == stores.len() {
+                &stores[index].0
+            } else {
+                &stores[0].0
+            };
+            let rule = self
+                .rule_of(store)
+                .filter(|_| counted)
+                .unwrap_or(OptimizerRule::Sgd { momentum: false });
+            let mut own = Fixed::of(trainable, &rule);
+            if let Some(ranks) = zero_ranks {
+                own = own.zero_share(trainable, &rule, ranks);
+            }
+            fixed.parameters += own.parameters;
+            fixed.gradients += own.gradients;
+            fixed.optimizer_state += own.optimizer_state;
+        }
+        fixed
+    }
+}
+
 impl<R: Runner> Cells<R> {
     /// The model earlier cells built (a VarStore, or its optimizer) after the last training
     /// cell ran, or when no training cell ran: `%memestimate` alone is then about it.
@@ -84,35 +163,14 @@ impl<R: Runner> Cells<R> {
         request: &EstimateRequest,
         io: &CellIo,
     ) -> CellOutcome {
-        let choice = request.optimizer.map(|choice| choice.rule());
-        // Each store's rule: `--optimizer`'s, its optimizer's, or none (no state) without one.
-        let rule_of = |store: &str| -> Option<OptimizerRule> {
-            match model.optimizers.iter().find(|o| o.store == store) {
-                Some(optimizer) => choice.or(optimizer.rule.as_ref().map(|(_, rule)| *rule)),
-                None => Some(choice.unwrap_or(OptimizerRule::Sgd { momentum: false })),
-            }
+        let rules = StateRules {
+            model,
+            choice: request.optimizer.map(|choice| choice.rule()),
         };
-        // An optimizer no rule counts leaves the whole state uncounted, and the line says so.
-        let unread: Vec<String> = model
-            .optimizers
-            .iter()
-            .filter(|o| rule_of(&o.store).is_none())
-            .map(unread)
-            .collect();
-        let mut labels: Vec<&str> = Vec::new();
-        for optimizer in &model.optimizers {
-            if let Some(rule) = rule_of(&optimizer.store) {
-                if !labels.contains(&rule.label()) {
-                    labels.push(rule.label());
-                }
-            }
-        }
-        let choice_label = choice.map(|rule| rule.label());
-        let rule_words = choice_label.map_or_else(|| labels.join(" and "), str::to_string);
-        let unread_words = unread.join(" and ");
-        let state = if !unread.is_empty() {
+        let (rule_words, unread_words) = (rules.words(), rules.unread().join(" and "));
+        let state = if !unread_words.is_empty() {
             StateCounted::Unread(&unread_words)
-        } else if model.optimizers.is_empty() && choice.is_none() {
+        } else if model.optimizers.is_empty() && rules.choice.is_none() {
             StateCounted::NoOptimizer
         } else {
             StateCounted::Rule(&rule_words)
@@ -145,7 +203,7 @@ impl<R: Runner> Cells<R> {
         } else {
             None
         };
-        let mut what = model_words(model, choice_label);
+        let mut what = model_words(model, rules.choice.map(|rule| rule.label()));
         let zero_ranks = match request.data_parallel {
             Some(DataParallel {
                 ranks,
@@ -158,27 +216,7 @@ impl<R: Runner> Cells<R> {
             }
             _ => None,
         };
-        // Store by store, each with its optimizer's rule (under ZeRO, each store's share of
-        // its most loaded rank: with several stores this may count more than one rank holds).
-        let by_store = shapes.trainable_by_store();
-        let mut fixed = Fixed::default();
-        for (index, trainable) in by_store.iter().enumerate() {
-            let store = if by_store.len() == model.stores.len() {
-                model.stores[index].0.as_str()
-            } else {
-                model.stores[0].0.as_str()
-            };
-            let rule = rule_of(store)
-                .filter(|_| unread.is_empty())
-                .unwrap_or(OptimizerRule::Sgd { momentum: false });
-            let mut own = Fixed::of(trainable, &rule);
-            if let Some(ranks) = zero_ranks {
-                own = own.zero_share(trainable, &rule, ranks);
-            }
-            fixed.parameters += own.parameters;
-            fixed.gradients += own.gradients;
-            fixed.optimizer_state += own.optimizer_state;
-        }
+        let fixed = rules.fixed(&shapes, zero_ranks);
         let terms = ModelTerms {
             what: &what,
             fixed,
