@@ -8,7 +8,7 @@ use super::{fail, Cells, Runner};
 use crate::fit::estimate::Fixed;
 use crate::magics::fit::{DataParallel, EstimateRequest};
 use crate::report::fit::{model_terms_display, ModelTerms, StateCounted};
-use crate::rewrite::earlier::{self, LiveModel, LiveOptimizer, UnknownOptimizer};
+use crate::rewrite::earlier::{self, LiveModel, LiveOptimizer};
 use crate::session::{CellError, CellIo, CellOutcome, CellOutput, ErrorName};
 
 /// What the terms are of, in words: the stores, then each optimizer with its rule (`choice`,
@@ -27,7 +27,7 @@ fn model_words(model: &LiveModel, choice: Option<&str>) -> String {
             let kind = match (choice, &optimizer.rule, &optimizer.unknown) {
                 (Some(choice), _, _) => format!("{choice}, "),
                 (None, Some((_, rule)), _) => format!("{}, ", rule.label()),
-                (None, None, Some(unknown)) => format!("`{}`, ", unknown.name),
+                (None, None, Some(unknown)) => format!("`{}`, ", unknown.kind.name),
                 (None, None, None) => String::new(),
             };
             format!("`{}` ({kind}cell [{}])", optimizer.name, optimizer.run)
@@ -45,13 +45,7 @@ fn model_words(model: &LiveModel, choice: Option<&str>) -> String {
 /// How the state line names an optimizer whose state no rule counts.
 fn unread(optimizer: &LiveOptimizer) -> String {
     match &optimizer.unknown {
-        Some(kind) => UnknownOptimizer {
-            name: optimizer.name.clone(),
-            run: optimizer.run,
-            store: optimizer.store.clone(),
-            kind: kind.clone(),
-        }
-        .described(),
+        Some(unknown) => unknown.described(),
         None => format!(
             "`{}` (cell [{}]), an optimizer whose state rule the kernel does not know",
             optimizer.name, optimizer.run

@@ -69,22 +69,14 @@ impl<R: Runner> Cells<R> {
             accumulate: request.accumulate,
             ..calibrated.clone()
         };
-        // The notebook's own optimizer, when the trials keep it: no rule counts its state.
-        let written = cell
+        // An optimizer of a type tchmem does not know, when the trials keep it: no rule counts
+        // its state.
+        let unknown = cell
             .unknown_optimizer
             .as_ref()
             .filter(|_| request.optimizer.is_none());
-        let rule_words = written.map_or_else(
-            || rule.label().to_string(),
-            |optimizer| {
-                let whose = if optimizer.kind.in_notebook {
-                    "the notebook's"
-                } else {
-                    "a type tchmem does not know"
-                };
-                format!("{} ({whose})", optimizer.kind.name)
-            },
-        );
+        let rule_words =
+            unknown.map_or_else(|| rule.label().to_string(), UnknownOptimizer::heading);
         let mut what = estimate_label(&cell.binding.name, effective, &full, &rule_words);
         if let Some(dp) = request.data_parallel {
             what.push_str(&format!(", per rank of {} ({target} each)", dp.ranks));
@@ -140,7 +132,7 @@ impl<R: Runner> Cells<R> {
             (io.output)(CellOutput::Display(table.replaced_by(fixed_terms_display(
                 &what,
                 &fixed,
-                written.map(UnknownOptimizer::described).as_deref(),
+                unknown.map(UnknownOptimizer::described).as_deref(),
             ))));
             return CellOutcome::default();
         }
@@ -155,7 +147,7 @@ impl<R: Runner> Cells<R> {
         let Some(mut prediction) = calibration.predict(&scenario) else {
             return CellOutcome::default();
         };
-        if let Some(optimizer) = written {
+        if let Some(optimizer) = unknown {
             prediction.state_measured_in_line(&optimizer.described());
         }
         let context = room.and_then(|r| r.context).unwrap_or(0);
@@ -439,7 +431,7 @@ fn trials_refused(options: &Options) -> String {
 }
 
 /// What an estimate is of, for its heading: the batch, the rewrites and the optimizer (its
-/// rule's name, or the notebook's own type).
+/// rule's name, or a type tchmem does not know).
 fn estimate_label(name: &str, batch: u64, options: &Options, optimizer: &str) -> String {
     let mut what = vec![format!("{name} = {batch}")];
     let flags = options.flags();

@@ -45,8 +45,8 @@ pub(super) struct TrainingCell {
     /// The optimizer's state rule; a cell whose optimizer is not recognised counts none (its
     /// state then lies on the calibration's line).
     pub rule: OptimizerRule,
-    /// The optimizer the notebook wrote that the cell steps, when it is one (no rule counts
-    /// its state: the trials measure it on their line).
+    /// The optimizer the cell steps when its type is one tchmem does not know (the notebook's
+    /// own, say): no rule counts its state, the trials measure it on their line.
     pub unknown_optimizer: Option<UnknownOptimizer>,
 }
 

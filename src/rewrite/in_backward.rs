@@ -49,7 +49,7 @@ fn counterpart(name: &str) -> Option<&'static str> {
 /// Makes every optimizer built in the cell step inside backward.
 pub(crate) fn apply(
     block: &mut Block,
-    written: &[UnknownOptimizer],
+    unknown: &[UnknownOptimizer],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let tree = Tree::of(block);
@@ -57,7 +57,7 @@ pub(crate) fn apply(
     if found.is_empty() {
         let step = super::step::the_step(&tree, FLAG).ok();
         let line = step.as_ref().map(|s| s.line);
-        let message = match optimizer::stepped_unknown(step.as_ref(), written) {
+        let message = match optimizer::stepped_unknown(step.as_ref(), unknown) {
             Some(optimizer) => format!(
                 "{FLAG}: the training step's optimizer is {}, {}: its update runs over every \
                  parameter at once in its own `step`, which cannot be taken apart per parameter; \

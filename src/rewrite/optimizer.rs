@@ -170,13 +170,13 @@ pub(crate) fn builds(tree: &Tree) -> Vec<Build> {
     out
 }
 
-/// The optimizer of the notebook's own making that `step` steps, if it is one.
+/// The optimizer `step` steps, when it is one of `unknown` (of types tchmem does not know).
 pub(crate) fn stepped_unknown<'a>(
     step: Option<&Step>,
-    written: &'a [UnknownOptimizer],
+    unknown: &'a [UnknownOptimizer],
 ) -> Option<&'a UnknownOptimizer> {
     let step = step?;
-    written.iter().find(|optimizer| step.opt == optimizer.name)
+    unknown.iter().find(|optimizer| step.opt == optimizer.name)
 }
 
 /// " (`opt` is used at the training step)", or nothing without a step.
@@ -190,7 +190,7 @@ pub(crate) fn used_at_step(step: Option<&Step>) -> String {
 pub(crate) fn swap(
     block: &mut Block,
     choice: OptimizerChoice,
-    written: &[UnknownOptimizer],
+    unknown: &[UnknownOptimizer],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
     let flag = format!("--optimizer {}", choice.flag_value());
@@ -199,7 +199,7 @@ pub(crate) fn swap(
     if found.is_empty() {
         let step = super::step::the_step(&tree, &flag).ok();
         let line = step.as_ref().map(|s| s.line);
-        let message = match stepped_unknown(step.as_ref(), written) {
+        let message = match stepped_unknown(step.as_ref(), unknown) {
             Some(optimizer) => format!(
                 "{flag}: the training step's optimizer is {}, {}, whose update and learning \
                  rate the rewriter cannot read; it swaps tch's optimizers \

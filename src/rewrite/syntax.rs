@@ -184,6 +184,22 @@ pub(crate) fn strip_parens(mut expr: &Expr) -> &Expr {
     expr
 }
 
+/// The call `expr` makes past `?`, parentheses and the methods `unwraps` that take its value
+/// out (`make(…)?`, `(make(…)).unwrap()`), when it is one.
+pub(crate) fn call_under<'a>(mut expr: &'a Expr, unwraps: &[&str]) -> Option<&'a syn::ExprCall> {
+    loop {
+        expr = match expr {
+            Expr::Try(inner) => &inner.expr,
+            Expr::Paren(inner) => &inner.expr,
+            Expr::MethodCall(call) if unwraps.iter().any(|method| call.method == method) => {
+                &call.receiver
+            }
+            Expr::Call(call) => return Some(call),
+            _ => return None,
+        };
+    }
+}
+
 /// A variable bound by a pattern.
 #[derive(Debug, Clone)]
 pub(crate) struct Binding {

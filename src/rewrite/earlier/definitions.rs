@@ -8,9 +8,11 @@ use proc_macro2::{TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::{Item, Stmt};
 
-use super::{Brought, EarlierCell};
+use super::{Brought, EarlierCell, UnknownOptimizer};
 use crate::cell_syntax;
-use crate::rewrite::syntax::{as_mut_ref_ident, as_ref_ident, single_name, walk_tokens};
+use crate::rewrite::syntax::{
+    as_mut_ref_ident, as_ref_ident, call_under, is_nn_path, single_name, walk_tokens,
+};
 use crate::rewrite::tree::Tree;
 use crate::rewrite::{batch, cell, checkpoint, optimizer, rule_of};
 use tchmem_wire::estimate::OptimizerRule;
@@ -165,20 +167,7 @@ impl TypeCall {
     /// The call `init` makes, when it is a function of a type (the path's segment before the
     /// function starts with a capital: `SparseAdam::new`, not `nn::linear`).
     fn of(init: &syn::Expr) -> Option<TypeCall> {
-        let mut expr = init;
-        let call = loop {
-            expr = match expr {
-                syn::Expr::Try(inner) => &inner.expr,
-                syn::Expr::Paren(inner) => &inner.expr,
-                syn::Expr::MethodCall(call)
-                    if call.method == "unwrap" || call.method == "expect" =>
-                {
-                    &call.receiver
-                }
-                syn::Expr::Call(call) => break call,
-                _ => return None,
-            };
-        };
+        let call = call_under(init, &["unwrap", "expect"])?;
         let syn::Expr::Path(func) = &*call.func else {
             return None;
         };
@@ -206,21 +195,12 @@ impl Definition {
         let Some((_, Some(init))) = &self.local else {
             return false;
         };
-        let Ok(mut expr) = syn::parse_str::<syn::Expr>(init) else {
+        let Ok(expr) = syn::parse_str::<syn::Expr>(init) else {
             return false;
         };
-        loop {
-            expr = match expr {
-                syn::Expr::Try(inner) => *inner.expr,
-                syn::Expr::Paren(inner) => *inner.expr,
-                syn::Expr::MethodCall(call) if call.method == "unwrap" => *call.receiver,
-                syn::Expr::Call(call) => {
-                    return matches!(&*call.func, syn::Expr::Path(p)
-                        if crate::rewrite::syntax::is_nn_path(&p.path, &["linear"]))
-                }
-                _ => return false,
-            };
-        }
+        call_under(&expr, &["unwrap"]).is_some_and(
+            |call| matches!(&*call.func, syn::Expr::Path(p) if is_nn_path(&p.path, &["linear"])),
+        )
     }
 }
 
@@ -231,6 +211,18 @@ pub(super) struct Built {
     pub(super) rule: Option<(String, OptimizerRule)>,
     /// For an optimizer of a type tchmem does not know: that type.
     pub(super) unknown: Option<UnknownType>,
+}
+
+impl Built {
+    /// The optimizer `name` (built in cell `run`), when its type is one tchmem does not know.
+    pub(super) fn unknown_optimizer(&self, name: &str, run: usize) -> Option<UnknownOptimizer> {
+        Some(UnknownOptimizer {
+            name: name.to_string(),
+            run,
+            store: self.store.clone()?,
+            kind: self.unknown.clone()?,
+        })
+    }
 }
 
 /// The top-level bindings of `code`, `parsed` (a `let` of one name, a `const`, a `static`).

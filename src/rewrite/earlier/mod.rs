@@ -175,6 +175,16 @@ impl UnknownOptimizer {
             "one of a type tchmem does not know"
         }
     }
+
+    /// How an estimate's heading names it in place of a rule: "SparseAdam (the notebook's)".
+    pub fn heading(&self) -> String {
+        let whose = if self.kind.in_notebook {
+            "the notebook's"
+        } else {
+            "a type tchmem does not know"
+        };
+        format!("{} ({whose})", self.kind.name)
+    }
 }
 
 impl Assembled {
@@ -384,13 +394,11 @@ pub fn assemble_with(
     let unknown_optimizers = rebuilt
         .iter()
         .filter_map(|rebuilt| {
-            let built = live[&rebuilt.name].2.optimizer.as_ref()?;
-            Some(UnknownOptimizer {
-                name: rebuilt.name.clone(),
-                run: rebuilt.run,
-                store: built.store.clone()?,
-                kind: built.unknown.clone()?,
-            })
+            live[&rebuilt.name]
+                .2
+                .optimizer
+                .as_ref()?
+                .unknown_optimizer(&rebuilt.name, rebuilt.run)
         })
         .collect();
 
@@ -612,7 +620,7 @@ mod tests {
         // Before any loop, %memestimate names it.
         let optimizer = &live_model(&earlier).unwrap().optimizers[0];
         assert_eq!(
-            optimizer.unknown.as_ref().map(|t| t.name.as_str()),
+            optimizer.unknown.as_ref().map(|t| t.kind.name.as_str()),
             Some("SparseAdam")
         );
         assert_eq!(optimizer.rule, None);

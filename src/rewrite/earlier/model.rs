@@ -2,10 +2,10 @@
 //! `nn::seq_t()`, with the functions it calls, on a store of its own that the notebook's weights
 //! are copied into), and the model `%memestimate` counts before any loop.
 
-use super::definitions::{Defined, Definition, Live, UnknownType};
+use super::definitions::{Defined, Definition, Live};
 use super::library::{self, ModuleSources};
 use super::library_item;
-use super::{Brought, EarlierCell, Rebuilt};
+use super::{Brought, EarlierCell, Rebuilt, UnknownOptimizer};
 use crate::rewrite::checkpoint;
 use tchmem_wire::estimate::OptimizerRule;
 
@@ -276,8 +276,8 @@ pub struct LiveOptimizer {
     pub store: String,
     /// Its type's name and state rule, when the kernel knows them.
     pub rule: Option<(String, OptimizerRule)>,
-    /// For an optimizer of a type tchmem does not know (the notebook's `SparseAdam`): the type.
-    pub unknown: Option<UnknownType>,
+    /// When its type is one tchmem does not know (the notebook's `SparseAdam`): how to name it.
+    pub unknown: Option<UnknownOptimizer>,
 }
 
 /// The model the earlier cells left, `None` when no VarStore of theirs is live.
@@ -307,7 +307,7 @@ pub fn live_model(earlier: &[EarlierCell]) -> Option<LiveModel> {
                     run: *run,
                     store: store.clone(),
                     rule: built.rule.clone(),
-                    unknown: built.unknown.clone(),
+                    unknown: built.unknown_optimizer(name, *run),
                 };
                 ((*run, *index), optimizer)
             })
