@@ -18,9 +18,23 @@ fn shape(tensor: &Tensor) -> ParamShape {
     }
 }
 
-/// The trainable variables of `vs`, the ones its optimizer keeps state for.
+/// Whether a variable of a store's trainable list trains: it takes a gradient now, or holds one
+/// from an earlier step. A frozen store's variables (`vs.freeze()`: a fine-tuned backbone, the
+/// network of a style transfer) stay in tch's trainable list with `requires_grad` off; they get
+/// no gradient and no optimizer state. A store that a loop freezes and unfreezes in turn (a
+/// GAN's) still holds its last gradients, so it counts whichever phase it was left in.
+fn trains(tensor: &Tensor) -> bool {
+    tensor.requires_grad() || tensor.grad().defined()
+}
+
+/// The trainable variables of `vs` that train (see [`trains`]), the ones its optimizer keeps
+/// state for.
 pub fn shapes(vs: &VarStore) -> Vec<ParamShape> {
-    vs.trainable_variables().iter().map(shape).collect()
+    vs.trainable_variables()
+        .iter()
+        .filter(|tensor| trains(tensor))
+        .map(shape)
+        .collect()
 }
 
 /// Where the trainable variables of every live watched store (`tchmem::watch`) are.
@@ -32,12 +46,12 @@ pub(crate) fn watched_addresses() -> std::collections::HashSet<usize> {
     addresses
 }
 
-/// The trainable variables of every live watched store (`tchmem::watch`) but those at
-/// `existing` (the addresses of models that were there before).
+/// The trainable variables that train (see [`trains`]) of every live watched store
+/// (`tchmem::watch`) but those at `existing` (the addresses of models that were there before).
 pub(crate) fn watched_shapes(existing: &std::collections::HashSet<usize>) -> Vec<ParamShape> {
     let mut shapes = Vec::new();
     crate::watch::each_trainable(|tensor| {
-        if !existing.contains(&(tensor.data_ptr() as usize)) {
+        if !existing.contains(&(tensor.data_ptr() as usize)) && trains(tensor) {
             shapes.push(shape(tensor))
         }
     });
@@ -50,7 +64,11 @@ pub fn model(stores: &[&VarStore]) -> Model {
     let mut shapes = ModelShapes::default();
     for store in stores {
         shapes.cuda |= store.device().is_cuda();
-        let trainable = store.trainable_variables();
+        let trainable: Vec<Tensor> = store
+            .trainable_variables()
+            .into_iter()
+            .filter(trains)
+            .collect();
         let addresses: std::collections::HashSet<usize> = trainable
             .iter()
             .map(|tensor| tensor.data_ptr() as usize)
@@ -109,5 +127,33 @@ impl Room {
     /// evcxr's hook for showing a cell's value.
     pub fn evcxr_display(&self) {
         crate::display::json_result(DEVICE_ROOM_MIME, &self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::nn::{self, Module, OptimizerConfig};
+    use tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn a_frozen_stores_variables_are_held_but_do_not_train() {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let backbone = nn::linear(vs.root() / "backbone", 8, 4, Default::default());
+        vs.freeze();
+        let head = nn::linear(vs.root() / "head", 4, 2, Default::default());
+        let shapes = super::model(&[&vs]).0;
+        // The head's weight and bias train; the backbone's 36 values are held (4 bytes each).
+        assert_eq!(shapes.trainable.len(), 2);
+        assert_eq!(shapes.frozen_bytes, 4 * (8 * 4 + 4));
+        assert_eq!(super::shapes(&vs).len(), 2);
+
+        // A frozen variable that holds a gradient from a step before it was frozen still
+        // counts: its gradient is there, and the loop may unfreeze it again.
+        vs.unfreeze();
+        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+        let x = Tensor::ones([1, 8], (Kind::Float, Device::Cpu));
+        opt.backward_step(&head.forward(&backbone.forward(&x)).sum(Kind::Float));
+        vs.freeze();
+        assert_eq!(super::model(&[&vs]).0.trainable.len(), 4);
     }
 }

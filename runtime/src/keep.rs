@@ -56,10 +56,22 @@ pub struct Kept {
 /// One store's state.
 struct KeptStore {
     variables: Arc<Mutex<Variables>>,
-    /// Each variable (sharing its storage), its values and its gradient, in host memory.
-    saved: Vec<(Tensor, Tensor, Option<Tensor>)>,
+    saved: Vec<KeptVariable>,
     names: HashSet<String>,
     trainable: usize,
+}
+
+/// One variable of a kept store.
+struct KeptVariable {
+    /// The variable (sharing its storage).
+    tensor: Tensor,
+    /// Its values, in host memory.
+    values: Tensor,
+    /// Its gradient, in host memory.
+    grad: Option<Tensor>,
+    /// Whether it took gradients: a loop that freezes and unfreezes stores in turn (a GAN's)
+    /// leaves them as its last step did.
+    requires_grad: bool,
 }
 
 /// A host copy of `tensor`.
@@ -90,8 +102,12 @@ pub fn keep_all(stores: &[&VarStore]) -> Kept {
                 .values()
                 .map(|tensor| {
                     let grad = tensor.grad();
-                    let grad = grad.defined().then(|| host_copy(&grad));
-                    (tensor.shallow_clone(), host_copy(tensor), grad)
+                    KeptVariable {
+                        tensor: tensor.shallow_clone(),
+                        values: host_copy(tensor),
+                        grad: grad.defined().then(|| host_copy(&grad)),
+                        requires_grad: tensor.requires_grad(),
+                    }
                 })
                 .collect();
             let names = guard.named_variables.keys().cloned().collect();
@@ -126,12 +142,15 @@ pub(crate) fn set_grad(tensor: &mut Tensor, grad: Option<&Tensor>) {
 }
 
 impl KeptStore {
-    /// Puts the values back into the variables' own storage and removes the variables the run
-    /// added (with whatever they hold).
+    /// Puts the values back into the variables' own storage (and whether each takes gradients)
+    /// and removes the variables the run added (with whatever they hold).
     fn put_values_back(&mut self) {
-        for (tensor, values, _) in &mut self.saved {
-            if let Err(error) = tensor.f_copy_(values) {
+        for kept in &mut self.saved {
+            if let Err(error) = kept.tensor.f_copy_(&kept.values) {
                 eprintln!("tchmem: a kept variable's values could not be put back: {error}");
+            }
+            if kept.tensor.requires_grad() != kept.requires_grad {
+                let _ = kept.tensor.set_requires_grad(kept.requires_grad);
             }
         }
         let mut guard = crate::state::lock(&self.variables);
@@ -144,19 +163,19 @@ impl KeptStore {
     fn puts_gradients_on_cuda(&self) -> bool {
         self.saved
             .iter()
-            .any(|(t, _, g)| g.is_some() && t.device().is_cuda())
+            .any(|kept| kept.grad.is_some() && kept.tensor.device().is_cuda())
     }
 
     /// Removes the run's gradients.
     fn drop_gradients(&mut self) {
-        for (tensor, _, _) in &mut self.saved {
-            set_grad(tensor, None);
+        for kept in &mut self.saved {
+            set_grad(&mut kept.tensor, None);
         }
     }
 
     /// Puts the kept gradients back (none where there were none).
     fn put_gradients_back(&mut self) {
-        for (tensor, _, grad) in &mut self.saved {
+        for KeptVariable { tensor, grad, .. } in &mut self.saved {
             let device_grad = match grad.as_ref().map(|g| g.f_to_device(tensor.device())) {
                 Some(Ok(grad)) => Some(grad),
                 Some(Err(error)) => {
@@ -294,5 +313,28 @@ mod tests {
         assert_eq!((bytes(&gen), bytes(&critic)), before);
         assert!(before.0.iter().all(|(_, _, grad)| grad.is_none()));
         assert!(before.1.iter().all(|(_, _, grad)| grad.is_some()));
+    }
+
+    #[test]
+    fn a_trial_that_freezes_and_unfreezes_stores_leaves_each_as_it_was() {
+        let trains = |vs: &nn::VarStore| -> Vec<bool> {
+            vs.trainable_variables()
+                .iter()
+                .map(|t| t.requires_grad())
+                .collect()
+        };
+        let mut gen = nn::VarStore::new(Device::Cpu);
+        let mut critic = nn::VarStore::new(Device::Cpu);
+        let _g = nn::linear(gen.root() / "g", 3, 3, Default::default());
+        let _c = nn::linear(critic.root() / "c", 3, 1, Default::default());
+        critic.freeze();
+        {
+            let _kept = super::keep_all(&[&gen, &critic]);
+            // A GAN's loop as it leaves its stores: the other way round.
+            gen.freeze();
+            critic.unfreeze();
+        }
+        assert_eq!(trains(&gen), vec![true, true]);
+        assert_eq!(trains(&critic), vec![false, false]);
     }
 }

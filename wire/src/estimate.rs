@@ -343,9 +343,11 @@ pub const MODEL_SHAPES_MIME: &str = "application/vnd.tchmem.model-shapes+json";
 /// The variables of a model's stores: what `%memestimate` counts before any training loop.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelShapes {
-    /// The trainable variables (each gets a gradient and optimizer state).
+    /// The variables that train (each gets a gradient and optimizer state): of a store's
+    /// trainable list, those that take a gradient or hold one.
     pub trainable: Vec<ParamShape>,
-    /// Bytes of the frozen variables (held, but no gradient and no state).
+    /// Bytes of the other variables, held but with no gradient and no state: buffers such as
+    /// BatchNorm's running statistics, and the variables of a frozen store (`vs.freeze()`).
     pub frozen_bytes: u64,
     /// Whether the stores are on a CUDA device.
     pub cuda: bool,
