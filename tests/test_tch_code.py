@@ -468,3 +468,42 @@ def test_an_optimizer_the_notebook_wrote_is_built_afresh_by_the_magics_and_kept_
     assert estimate["optimizer_state"] is None, estimate
     reply, messages = execute(kc, "own_opt.steps")
     assert result_text(messages) == "3", result_text(messages)
+
+
+# Fine-tuning as tch-rs's transfer-learning example sets it up: a backbone on a store of its
+# own, frozen, and a new head with its optimizer on another.
+FROZEN_BACKBONE = """use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+let mut backbone_vs = nn::VarStore::new(Device::Cpu);
+let backbone = nn::seq_t()
+    .add(nn::linear(backbone_vs.root() / "b1", 8, 16, Default::default()))
+    .add_fn(|x| x.relu())
+    .add(nn::linear(backbone_vs.root() / "b2", 16, 16, Default::default()));
+backbone_vs.freeze();
+let head_vs = nn::VarStore::new(Device::Cpu);
+let head = nn::linear(head_vs.root() / "head", 16, 4, Default::default());
+let mut head_opt = nn::Adam::default().build(&head_vs, 1e-3)?;
+let tune_data = Tensor::rand([64, 8], (Kind::Float, Device::Cpu));"""
+FROZEN_LOOP = """let batch_size = 16;
+for _ in 0..2 {
+    let xs = tune_data.narrow(0, 0, batch_size);
+    let loss = xs.apply_t(&backbone, false).apply(&head).pow_tensor_scalar(2).mean(Kind::Float);
+    head_opt.backward_step(&loss);
+    println!("backbone trains: {}", backbone_vs.trainable_variables()[0].requires_grad());
+}"""
+
+
+def test_a_frozen_backbone_stays_frozen_in_the_model_checkpointing_rebuilds(kernel):
+    _, kc = kernel
+    reply, _ = execute(kc, FROZEN_BACKBONE, timeout=300)
+    assert reply["status"] == "ok", reply
+    # The rebuilt backbone (a store of its own, the notebook's weights copied in) takes no
+    # gradient, as the notebook's does: the two sides train the head alike.
+    reply, messages = execute(kc, "%%optimize --checkpoint --compare 2\n" + FROZEN_LOOP, timeout=300)
+    assert reply["status"] == "ok", (reply.get("evalue"), stream_text(messages))
+    text = stream_text(messages)
+    rewritten = text[text.index("── rewritten"):]
+    assert rewritten.count("backbone trains: false") == 2, text
+    assert "backbone trains: true" not in text, text
+    reply, messages = execute(kc, "backbone_vs.trainable_variables().iter().any(|t| t.requires_grad())")
+    assert result_text(messages) == "false", result_text(messages)

@@ -38,6 +38,7 @@ pub mod optim;
 mod panic_hook;
 pub mod phase;
 pub mod progress;
+pub mod rebuild;
 
 pub use error::RuntimeError;
 pub use tch;

@@ -143,6 +143,21 @@ fn single_store<'a>(
     live: &Live,
     used: &[String],
 ) -> Option<&'a String> {
+    match store_and_parts(name, definition, live, used)? {
+        (store, others) if others.is_empty() => Some(store),
+        _ => None,
+    }
+}
+
+/// The one VarStore of an earlier cell that `definition` (of `name`) builds on, and the other
+/// values the cell uses that are built on it (the model's other parts: a fine-tuned backbone's
+/// new head).
+fn store_and_parts<'a>(
+    name: &str,
+    definition: &'a Definition,
+    live: &Live,
+    used: &[String],
+) -> Option<(&'a String, Vec<String>)> {
     let stores: Vec<&String> = definition
         .uses
         .iter()
@@ -155,13 +170,17 @@ fn single_store<'a>(
     let [store] = stores.as_slice() else {
         return None;
     };
-    let in_parts = used.iter().any(|other| {
-        other != name
-            && live.values.get(other).is_some_and(|(_, _, d)| {
-                d.what.is_none() && d.local.is_some() && d.uses.contains(*store)
-            })
-    });
-    (!in_parts).then_some(*store)
+    let others = used
+        .iter()
+        .filter(|other| {
+            *other != name
+                && live.values.get(*other).is_some_and(|(_, _, d)| {
+                    d.what.is_none() && d.local.is_some() && d.uses.contains(*store)
+                })
+        })
+        .cloned()
+        .collect();
+    Some((*store, others))
 }
 
 /// The `let {pattern} = {init}` of an earlier cell, with `items` (the functions or module it
@@ -174,8 +193,8 @@ fn on_a_store_of_its_own(pattern: &str, store: &str, items: &str, init: &str) ->
          let {store} = &__tchmem_store;\n\
          {items}{init}\n\
          }};\n\
-         __tchmem_store.copy(&{store}).expect(\"tchmem: copying the notebook's weights into \
-         the rebuilt model\");\n\
+         tchmem::rebuild::copy_store(&mut __tchmem_store, &{store}).expect(\"tchmem: copying \
+         the notebook's weights into the rebuilt model\");\n\
          let mut {store} = __tchmem_store;"
     )
 }
@@ -201,11 +220,14 @@ pub enum ModelKind {
     Recurrent { function: String },
     /// Built by a function the notebook did not define (`resnet18` from `tch::vision`).
     Library { function: String },
+    /// One of several parts the cell uses that are built on one store (a backbone and its new
+    /// head on `vs`): a rebuilt model's store would hold this part only.
+    InParts { store: String, others: Vec<String> },
 }
 
 /// What the `let` of `name` in an earlier cell built, when it is a model of a kind
 /// [`ModelKind`] names.
-pub(super) fn model_origin(name: &str, live: &Live) -> Option<ModelOrigin> {
+pub(super) fn model_origin(name: &str, live: &Live, used: &[String]) -> Option<ModelOrigin> {
     let (run, _, definition) = live.values.get(name)?;
     let (_, Some(init)) = definition.local.as_ref()? else {
         return None;
@@ -235,6 +257,13 @@ pub(super) fn model_origin(name: &str, live: &Live) -> Option<ModelOrigin> {
         }
     } else if matches!(last.as_str(), "lstm" | "gru") {
         ModelKind::Recurrent { function: last }
+    } else if let Some((store, others)) =
+        store_and_parts(name, definition, live, used).filter(|(_, others)| !others.is_empty())
+    {
+        ModelKind::InParts {
+            store: store.clone(),
+            others,
+        }
     } else if segments.iter().all(|s| s.starts_with(char::is_lowercase))
         && !segments.iter().any(|s| s == "nn")
         && !live.functions.contains_key(&last)
@@ -372,8 +401,9 @@ mod tests {
         assert!(!code.contains("fn unrelated"), "{code}");
         assert!(
             code.contains(
-                "net(&vs.root())\n};\n__tchmem_store.copy(&vs).expect(\"tchmem: copying the \
-                 notebook's weights into the rebuilt model\");\nlet mut vs = __tchmem_store;\n"
+                "net(&vs.root())\n};\ntchmem::rebuild::copy_store(&mut __tchmem_store, &vs)\
+                 .expect(\"tchmem: copying the notebook's weights into the rebuilt model\");\n\
+                 let mut vs = __tchmem_store;\n"
             ),
             "{code}"
         );
