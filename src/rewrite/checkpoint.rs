@@ -64,6 +64,17 @@ pub(crate) fn apply(
     models: &[ModelOrigin],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
+    if let Some((line, model)) = every_layers_output(block) {
+        return Err(Refusal::new(
+            format!(
+                "--checkpoint would save nothing here: the loop takes every layer's output \
+                 (`{model}.forward_all_t(…)` or `forward_all`), and the loss keeps them, so the \
+                 activations that checkpointing recomputes are held anyway. Checkpointing helps \
+                 a loop whose loss takes the model's last output (`xs.apply_t(&{model}, train)`)."
+            ),
+            Some(line),
+        ));
+    }
     let mut rewriter = Rewriter {
         segments,
         keep,
@@ -126,6 +137,26 @@ pub(crate) fn apply(
         }
     }
     Ok(())
+}
+
+/// The line and the model of a call that returns every layer's output (`net.forward_all_t(&xs,
+/// train, n)`, as a style transfer takes them), outside nested items.
+fn every_layers_output(block: &Block) -> Option<(usize, String)> {
+    struct Finder(Option<(usize, String)>);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            if self.0.is_none() && (call.method == "forward_all" || call.method == "forward_all_t")
+            {
+                let model = as_ident(&call.receiver).map_or("net".to_string(), |i| i.to_string());
+                self.0 = Some((line_of(call.method.span()), model));
+            }
+            syn::visit::visit_expr_method_call(self, call);
+        }
+        fn visit_item(&mut self, _: &'a syn::Item) {}
+    }
+    let mut finder = Finder(None);
+    finder.visit_block(block);
+    finder.0
 }
 
 /// Where the rewritten model keeps its segments' inputs (`--offload`, `--compress-activations`).
@@ -229,6 +260,18 @@ fn why_not(model: &ModelOrigin) -> String {
              nn::seq_t() (tch::vision's resnet, vgg, densenet, alexnet, squeezenet, mobilenet \
              and inception models build theirs so, and --checkpoint rebuilds them from tch's \
              source)."
+        ),
+        ModelKind::InParts { store, others } => format!(
+            "`{name}` (cell [{run}]): it shares its VarStore `{store}` with {}, and \
+             --checkpoint rebuilds a model on a store of its own, with the optimizer on that \
+             store, which would leave the other parts out of training. Build `{name}` on a \
+             store of its own (as tch-rs's transfer-learning example builds its backbone), and \
+             the other parts and their optimizer on another.",
+            others
+                .iter()
+                .map(|other| format!("`{other}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     }
 }

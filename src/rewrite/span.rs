@@ -12,14 +12,17 @@ use super::step::{loss_binding, Form, Loss, Step};
 use super::syntax::{let_bindings, Binding};
 use super::Refusal;
 
-/// Method calls that run a model (`seq`/`seq_init`: tch's recurrent nets over a sequence).
-pub(crate) const FORWARD_METHODS: [&str; 6] = [
+/// Method calls that run a model (`seq`/`seq_init`: tch's recurrent nets over a sequence;
+/// `forward_all`/`forward_all_t`: a sequential model's every layer's output).
+pub(crate) const FORWARD_METHODS: [&str; 8] = [
     "forward",
     "forward_t",
     "apply",
     "apply_t",
     "seq",
     "seq_init",
+    "forward_all",
+    "forward_all_t",
 ];
 
 /// The statements from the forward call to the loss binding, in the step's block.

@@ -1464,3 +1464,78 @@ fn rewrite_of_tchs_optimizers_names_one_the_notebook_wrote() {
     rewrite_cell(&assembled.code, &options("--amp bf16"), &assembled.known)
         .unwrap_or_else(|refusal| panic!("{refusal}"));
 }
+
+/// tch-rs's neural-style-transfer loop: the trained variable is the image; a frozen network's
+/// every layer's output goes into the loss.
+const STYLE_TRANSFER: &str = "for step_idx in 1..(1 + TOTAL_STEPS) {
+    let input_layers = net.forward_all_t(&input_var, false, Some(max_layer));
+    let style_loss: Tensor =
+        STYLE_INDEXES.iter().map(|&i| style_loss(&input_layers[i], &style_layers[i])).sum();
+    let content_loss: Tensor = CONTENT_INDEXES
+        .iter()
+        .map(|&i| input_layers[i].mse_loss(&content_layers[i], tch::Reduction::Mean))
+        .sum();
+    let loss = style_loss * STYLE_WEIGHT + content_loss;
+    opt.backward_step(&loss);
+}";
+
+#[test]
+fn rewrite_of_a_loop_that_takes_every_layers_output() {
+    // Mixed precision runs the network under autocast, not the loss alone.
+    let amp = rewrite_ok(STYLE_TRANSFER, "--amp bf16");
+    let autocast = amp.code.find("autocast").expect("autocast");
+    let forward = amp.code.find("forward_all_t").expect("the forward call");
+    assert!(autocast < forward, "{}", amp.code);
+    // The losses are not a batch to split: the loop has none.
+    let accumulate = refusal(STYLE_TRANSFER, "--accumulate 2").to_string();
+    assert!(
+        accumulate.contains("--accumulate looks for the batch tensors")
+            && accumulate.contains("(lines 2–9) use none"),
+        "{accumulate}"
+    );
+    // Every layer's output is kept for the loss: nothing for checkpointing to recompute.
+    let checkpoint = refusal(
+        &format!("let net = nn::seq_t().add_fn(|x| x.relu());\n{STYLE_TRANSFER}"),
+        "--checkpoint",
+    );
+    assert!(
+        checkpoint
+            .to_string()
+            .contains("--checkpoint would save nothing here: the loop takes every layer's output (`net.forward_all_t(…)`"),
+        "{checkpoint}"
+    );
+    assert_eq!(checkpoint.line, Some(3));
+}
+
+#[test]
+fn rewrite_checkpoint_names_the_parts_that_share_a_models_store() {
+    use super::earlier::{assemble, EarlierCell, Wanted};
+    // A fine-tuned backbone and its new head on one store, the optimizer on it.
+    let earlier = [EarlierCell {
+        run: 3,
+        code: "let mut vs = nn::VarStore::new(Device::Cpu);\n\
+               let net = resnet::resnet18_no_final_layer(&(vs.root() / \"backbone\"));\n\
+               vs.freeze();\n\
+               let head = nn::linear(vs.root() / \"head\", 512, 10, Default::default());\n\
+               let mut opt = nn::Adam::default().build(&vs, 1e-3)?;"
+            .into(),
+    }];
+    let cell = "for (xs, ys) in batches {\n    let features = xs.apply_t(&net, false);\n    \
+                let loss = features.apply(&head).cross_entropy_for_logits(&ys);\n    \
+                opt.backward_step(&loss);\n}";
+    let wanted = Wanted {
+        model: true,
+        ..Wanted::TRIAL
+    };
+    let assembled = assemble(cell, &earlier, wanted);
+    let refusal = rewrite_cell(&assembled.code, &options("--checkpoint"), &assembled.known)
+        .expect_err("--checkpoint");
+    let message = assembled.in_cell_terms(refusal).to_string();
+    assert!(
+        message.contains(
+            "--checkpoint cannot checkpoint `net` (cell [3]): it shares its VarStore `vs` with \
+             `head`"
+        ),
+        "{message}"
+    );
+}

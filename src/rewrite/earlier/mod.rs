@@ -337,7 +337,7 @@ pub fn assemble_with(
     let models = match &model {
         None if wanted.model => direct
             .iter()
-            .filter_map(|name| model_origin(name, &all))
+            .filter_map(|name| model_origin(name, &all, &direct))
             .collect(),
         _ => Vec::new(),
     };
