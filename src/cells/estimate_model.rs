@@ -211,12 +211,20 @@ impl<R: Runner> Cells<R> {
             _ => None,
         };
         let fixed = rules.fixed(&shapes, zero_ranks);
+        // Before the first step the stores' variables are all the model holds; the rest of
+        // what is allocated is the notebook's too, and stays through training.
+        let parameters = rules.fixed(&shapes, None).parameters;
+        let held = room.as_ref().map_or(0, |room| {
+            room.allocated
+                .saturating_sub(parameters + shapes.frozen_bytes)
+        });
         let terms = ModelTerms {
             what: &what,
             fixed,
             frozen: shapes.frozen_bytes,
             state,
             device: room.map(|room| (room.context.unwrap_or(0), room.total)),
+            held,
         };
         (io.output)(CellOutput::Display(model_terms_display(&terms)));
         let ignored: Vec<&str> = [

@@ -877,6 +877,9 @@ pub struct ModelTerms<'a> {
     pub state: StateCounted<'a>,
     /// The CUDA context beside the allocator, and the device's memory (`None` on CPU).
     pub device: Option<(u64, u64)>,
+    /// What else the notebook holds on the device now, beyond the stores' variables (its data, a
+    /// frozen network on a store no optimizer trains): 0 on CPU.
+    pub held: u64,
 }
 
 /// What the optimizer state line of [`ModelTerms`] counts.
@@ -926,7 +929,15 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
             ),
         },
     ];
-    let total = fixed.total() + terms.frozen + terms.device.map_or(0, |(context, _)| context);
+    let total =
+        fixed.total() + terms.frozen + terms.held + terms.device.map_or(0, |(context, _)| context);
+    if terms.held > 0 {
+        lines.push(format!(
+            "  other tensors    {:>10}   on the device already, not the stores' variables (the \
+             notebook's data, a network on another store)",
+            human_bytes(terms.held)
+        ));
+    }
     if let Some((context, _)) = terms.device {
         lines.push(format!(
             "  CUDA context     {:>10}   measured (this process on the device, less the allocator)",
@@ -966,6 +977,7 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
             "gradients": fixed.gradients,
             "optimizer_state": (!unread).then_some(fixed.optimizer_state),
             "context": terms.device.map(|(context, _)| context),
+            "held": terms.held,
             "device": terms.device.map(|(_, device)| device),
         }),
     );
@@ -1406,16 +1418,31 @@ mod tests {
             frozen: 1 << 20,
             state: StateCounted::Rule("Adam"),
             device: Some((512 << 20, 80 << 30)),
+            held: 0,
         };
         let display = model_terms_display(&terms);
         let text = display.data["text/plain"].as_str().unwrap();
         assert!(text.contains("(1.0 MiB of them frozen)"), "{text}");
         assert!(text.contains("Adam's rule"), "{text}");
         assert!(text.contains("CUDA context"), "{text}");
+        assert!(!text.contains("other tensors"), "{text}");
         // 4 GiB + 1 MiB + 512 MiB of 80 GiB.
         assert!(text.contains("75.5 GiB is left"), "{text}");
         let json = &display.data[ESTIMATE_MIME];
         assert_eq!(json["parameters"], (1u64 << 30) + (1 << 20));
+        // What else the notebook holds on the device (a style transfer's frozen network and
+        // images) is there through training: it leaves that much less.
+        let holding = model_terms_display(&ModelTerms {
+            held: 1 << 30,
+            ..terms
+        });
+        let text = holding.data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains("  other tensors       1.0 GiB   on the device already"),
+            "{text}"
+        );
+        assert!(text.contains("74.5 GiB is left"), "{text}");
+        assert_eq!(holding.data[ESTIMATE_MIME]["held"], 1u64 << 30);
         let cpu = model_terms_display(&ModelTerms {
             state: StateCounted::NoOptimizer,
             device: None,
