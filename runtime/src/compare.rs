@@ -43,6 +43,12 @@ struct State {
     /// While the allocator's events are logged (from the beginning of a run that records its
     /// operators on CUDA to the end of the recorded step): the segments held at the beginning.
     alloc_segments: Option<Vec<tchmem_wire::alloc_trace::Segment>>,
+    /// Whether a step ended and the next has not begun.
+    step_ended: bool,
+    /// Allocated bytes when the last step after another began (its forward marker): what
+    /// outlives a step. At a step's end the loop's own locals (a style transfer's every layer's
+    /// output) are still alive.
+    between_steps: Option<u64>,
 }
 
 /// The part of a training step between two phase markers.
@@ -152,7 +158,22 @@ fn start(steps: usize, record_ops: bool) {
         timing_optimizer: false,
         step_marked: None,
         alloc_segments,
+        step_ended: false,
+        between_steps: None,
     });
+}
+
+/// Called by the forward marker, at the start of a step: after a step, what is allocated is what
+/// outlived it (parameters, gradients, optimizer state, the next batch).
+pub(crate) fn at_step_start() {
+    let mut guard = state();
+    let Some(state) = guard.as_mut().filter(|s| s.step_ended && s.peaks.is_some()) else {
+        return;
+    };
+    state.step_ended = false;
+    if let Ok(stats) = cuda_stats::device_stats(DEVICE) {
+        state.between_steps = Some(stats.current.allocated);
+    }
 }
 
 /// Called by each phase marker, before it takes its own lock: during a run on CUDA, the
@@ -285,6 +306,7 @@ pub fn record_step(loss: &Tensor) -> bool {
 
 /// The allocator's peaks since the run began and what a step leaves allocated, as of now.
 fn measure(state: &mut State) {
+    state.step_ended = true;
     if let Some(peaks) = state.peaks.as_mut() {
         peaks.fold_carried();
     }
@@ -322,6 +344,9 @@ pub fn finish() -> Finished {
     if let Some(state) = state.as_mut() {
         // Also where the cell itself turned the mode on, after the run began.
         state.run.cudnn_benchmark |= state.peaks.is_some() && crate::cudnn::benchmark();
+        if let Some(between) = state.between_steps {
+            state.run.allocated_after_step = Some(between);
+        }
     }
     Finished(state.map(|s| s.run).unwrap_or_default())
 }

@@ -39,6 +39,7 @@ pub fn data() {
 /// Marks the start of the forward pass.
 pub fn forward() {
     timeline::mark(Phase::Forward);
+    compare::at_step_start();
     compare::at_marker(Some(Part::ForwardBackward));
     phases().forward_start = allocated();
 }

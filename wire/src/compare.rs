@@ -28,8 +28,9 @@ pub struct CompareRun {
     pub peak_allocated: Option<u64>,
     /// Peak reserved bytes since the run began (CUDA only).
     pub peak_reserved: Option<u64>,
-    /// Allocated bytes at the end of the last step: parameters, gradients, optimizer state and
-    /// whatever else outlives a step (CUDA only).
+    /// Allocated bytes that outlive a step: parameters, gradients, optimizer state and whatever
+    /// else the loop keeps, read when the last step that followed another began (at its forward
+    /// marker, the previous step's locals gone), else at the end of the last step (CUDA only).
     pub allocated_after_step: Option<u64>,
     /// The memory record at the end of the last step (categories of watched VarStores).
     pub at_last_step: Option<MemoryRecord>,
