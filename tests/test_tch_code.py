@@ -507,3 +507,23 @@ def test_a_frozen_backbone_stays_frozen_in_the_model_checkpointing_rebuilds(kern
     assert "backbone trains: true" not in text, text
     reply, messages = execute(kc, "backbone_vs.trainable_variables().iter().any(|t| t.requires_grad())")
     assert result_text(messages) == "false", result_text(messages)
+    # A backbone that shares its store with the head: --checkpoint cannot rebuild it alone, and
+    # %memestimate --checkpoint says so, by name, before any trial.
+    reply, _ = execute(kc, SHARED_BACKBONE, timeout=300)
+    assert reply["status"] == "ok", reply
+    reply, _ = execute(kc, "%memestimate --checkpoint\n" + SHARED_LOOP, timeout=300)
+    assert reply["status"] == "error" and reply["ename"] == "RewriteRefused", reply
+    assert "`shared_net` (cell [" in reply["evalue"], reply["evalue"]
+    assert "shares its VarStore `shared_vs` with `shared_head`" in reply["evalue"], reply["evalue"]
+
+
+SHARED_BACKBONE = """let shared_vs = nn::VarStore::new(Device::Cpu);
+let shared_net = nn::seq_t().add(nn::linear(shared_vs.root() / "b", 8, 16, Default::default()));
+let shared_head = nn::linear(shared_vs.root() / "head", 16, 4, Default::default());
+let mut shared_opt = nn::Adam::default().build(&shared_vs, 1e-3)?;"""
+SHARED_LOOP = """let batch_size = 16;
+for _ in 0..2 {
+    let xs = tune_data.narrow(0, 0, batch_size);
+    let loss = xs.apply_t(&shared_net, false).apply(&shared_head).pow_tensor_scalar(2).mean(Kind::Float);
+    shared_opt.backward_step(&loss);
+}"""

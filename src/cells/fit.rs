@@ -86,8 +86,7 @@ impl<R: Runner> Cells<R> {
         }
         // Refuse before any trial runs if the rewrites do not apply.
         if !full.is_empty() {
-            let with_model = self.with_rebuilt_model(&cell, &full);
-            let assembled = with_model.as_ref().unwrap_or(&cell.assembled);
+            let assembled = self.assembled_for_rewrites(&cell, &full);
             if let Err(refusal) = rewrite::rewrite(&assembled.code, &full, &assembled.known) {
                 return fail(CellError::new(
                     ErrorName::RewriteRefused,

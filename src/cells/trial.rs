@@ -136,19 +136,31 @@ impl<R: Runner> Cells<R> {
         if options.checkpoint.is_none() && !head {
             return None;
         }
-        let assembled = self.assemble(
+        let assembled = self.assembled_for_rewrites(cell, options);
+        assembled
+            .rebuilt
+            .iter()
+            .any(|rebuilt| rebuilt.what == Brought::Model)
+            .then_some(assembled)
+    }
+
+    /// `cell` with what its trials bring in and, where `options` rewrite the model, what the
+    /// rewriter may read of the models of earlier cells: a refusal then says what the model is
+    /// (a library's, a struct, one of several parts on one store) when none can be rebuilt.
+    pub(super) fn assembled_for_rewrites(
+        &self,
+        cell: &TrainingCell,
+        options: &Options,
+    ) -> Assembled {
+        let head = options.fused_loss.is_some() && rewrite::loss_takes_model_output(&cell.code);
+        self.assemble(
             &cell.code,
             Wanted {
                 model: options.checkpoint.is_some(),
                 head,
                 ..Wanted::TRIAL
             },
-        );
-        assembled
-            .rebuilt
-            .iter()
-            .any(|rebuilt| rebuilt.what == Brought::Model)
-            .then_some(assembled)
+        )
     }
 
     /// Runs `cell` at `batch` under `options` for `steps` steps, quietly (its own output is

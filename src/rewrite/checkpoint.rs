@@ -84,9 +84,9 @@ pub(crate) fn apply(
     if rewriter.found.is_empty() {
         let hints = model_hints(block);
         let known = hints
-            .model
-            .as_ref()
-            .and_then(|name| models.iter().find(|m| &m.name == name))
+            .models
+            .iter()
+            .find_map(|name| models.iter().find(|m| &m.name == name))
             .map(why_not)
             .or_else(|| hints.struct_model.as_deref().map(why_not_struct));
         let message = match known {
@@ -300,8 +300,9 @@ fn struct_fix(ty: &str) -> String {
 struct ModelHints {
     /// The line of the first forward call.
     forward: Option<usize>,
-    /// The variable that call runs (`net` of `net.forward_t(..)` or `xs.apply_t(&net, ..)`).
-    model: Option<String>,
+    /// The variables the forward calls run (`net` of `net.forward_t(..)` or `xs.apply_t(&net,
+    /// ..)`), in the order they run: a chain's innermost call first.
+    models: Vec<String>,
     /// A struct implementing `Module`/`ModuleT` in the cell.
     struct_model: Option<String>,
 }
@@ -310,16 +311,20 @@ fn model_hints(block: &Block) -> ModelHints {
     struct Finder(ModelHints);
     impl<'a> Visit<'a> for Finder {
         fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            if self.0.forward.is_none() && FORWARD_METHODS.iter().any(|m| call.method == m) {
+            let forward = FORWARD_METHODS.iter().any(|m| call.method == m);
+            if forward && self.0.forward.is_none() {
                 self.0.forward = Some(line_of(call.method.span()));
+            }
+            // The receiver runs first: its calls go before this one's model.
+            syn::visit::visit_expr_method_call(self, call);
+            if forward {
                 let model = if call.method == "apply" || call.method == "apply_t" {
                     call.args.first().and_then(as_ref_ident)
                 } else {
                     as_ident(&call.receiver)
                 };
-                self.0.model = model.map(|ident| ident.to_string());
+                self.0.models.extend(model.map(|ident| ident.to_string()));
             }
-            syn::visit::visit_expr_method_call(self, call);
         }
         fn visit_item_impl(&mut self, item: &'a syn::ItemImpl) {
             let module = item.trait_.as_ref().is_some_and(|(_, path, _)| {

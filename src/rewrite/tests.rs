@@ -1538,4 +1538,21 @@ fn rewrite_checkpoint_names_the_parts_that_share_a_models_store() {
         ),
         "{message}"
     );
+    // The same for a model built with nn::seq_t() beside its head.
+    let earlier = [EarlierCell {
+        run: 2,
+        code: "let vs = nn::VarStore::new(Device::Cpu);
+               let net = nn::seq_t().add(nn::linear(vs.root() / \"l\", 8, 8, Default::default()));
+               let head = nn::linear(vs.root() / \"head\", 8, 2, Default::default());
+               let mut opt = nn::Adam::default().build(&vs, 1e-3)?;"
+            .into(),
+    }];
+    let assembled = assemble(cell, &earlier, wanted);
+    let refusal = rewrite_cell(&assembled.code, &options("--checkpoint"), &assembled.known)
+        .expect_err("--checkpoint");
+    let message = assembled.in_cell_terms(refusal).to_string();
+    assert!(
+        message.contains("`net` (cell [2]): it shares its VarStore `vs` with `head`"),
+        "{message}"
+    );
 }

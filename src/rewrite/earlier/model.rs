@@ -25,20 +25,9 @@ pub(super) fn rebuilt_model(
 ) -> Option<Rebuilt> {
     let functions = &live.functions;
     let (run, definition, pattern, init) = model_let(name, live)?;
-    // The functions it calls, and those they call.
-    let mut reached: Vec<&str> = Vec::new();
-    let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
-    while let Some(next) = todo.pop() {
-        if let Some((_, _, function)) = functions.get(next) {
-            if !reached.contains(&next) {
-                reached.push(next);
-                todo.extend(function.uses.iter().map(String::as_str));
-            }
-        }
-    }
-    let builds_seq = definition.has_seq || reached.iter().any(|f| functions[*f].2.has_seq);
+    let mut reached = reached_functions(definition, live);
     let store = single_store(name, definition, live, used)?;
-    if seq && !builds_seq {
+    if seq && !builds_seq(definition, live) {
         return None;
     }
     // In the order they were defined.
@@ -118,6 +107,30 @@ pub(super) fn rebuilt_library_model(
     })
 }
 
+/// The functions of earlier cells that `definition` calls, and those they call.
+fn reached_functions<'a>(definition: &'a Definition, live: &'a Live) -> Vec<&'a str> {
+    let mut reached: Vec<&str> = Vec::new();
+    let mut todo: Vec<&str> = definition.uses.iter().map(String::as_str).collect();
+    while let Some(next) = todo.pop() {
+        if let Some((_, _, function)) = live.functions.get(next) {
+            if !reached.contains(&next) {
+                reached.push(next);
+                todo.extend(function.uses.iter().map(String::as_str));
+            }
+        }
+    }
+    reached
+}
+
+/// Whether `definition` builds an `nn::seq()`/`nn::seq_t()`, itself or in the functions of
+/// earlier cells it calls: what `--checkpoint` rewrites.
+fn builds_seq(definition: &Definition, live: &Live) -> bool {
+    definition.has_seq
+        || reached_functions(definition, live)
+            .iter()
+            .any(|f| live.functions[*f].2.has_seq)
+}
+
 /// The live `let {pattern} = {init}` of `name` that may build a model (not a store, an
 /// optimizer or a batch size), with its cell.
 fn model_let<'a>(
@@ -170,7 +183,7 @@ fn store_and_parts<'a>(
     let [store] = stores.as_slice() else {
         return None;
     };
-    let others = used
+    let mut others: Vec<String> = used
         .iter()
         .filter(|other| {
             *other != name
@@ -180,6 +193,7 @@ fn store_and_parts<'a>(
         })
         .cloned()
         .collect();
+    others.sort();
     Some((*store, others))
 }
 
@@ -233,21 +247,33 @@ pub(super) fn model_origin(name: &str, live: &Live, used: &[String]) -> Option<M
         return None;
     };
     let init: syn::Expr = syn::parse_str(init).ok()?;
+    // What builds it: a function or a type's (`resnet::resnet18(..)`, `Net::new(..)`), a struct
+    // literal, or none (an `nn::seq()` chain).
     let path = match crate::rewrite::syntax::strip_parens(&init) {
         syn::Expr::Call(call) => match &*call.func {
-            syn::Expr::Path(func) if func.qself.is_none() => func.path.clone(),
-            _ => return None,
+            syn::Expr::Path(func) if func.qself.is_none() => Some(func.path.clone()),
+            _ => None,
         },
-        syn::Expr::Struct(literal) => literal.path.clone(),
-        _ => return None,
+        syn::Expr::Struct(literal) => Some(literal.path.clone()),
+        _ => None,
     };
-    let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
-    let last = segments.last()?.clone();
+    let segments: Vec<String> = path
+        .iter()
+        .flat_map(|path| path.segments.iter().map(|s| s.ident.to_string()))
+        .collect();
+    let last = segments.last().cloned().unwrap_or_default();
     // `Net::new(..)` or `Net { .. }`: the type is the segment before the function, or the path.
     let type_name = match &init {
-        syn::Expr::Struct(_) => Some(&last),
+        syn::Expr::Struct(_) => segments.last(),
         _ => segments.iter().rev().nth(1),
     };
+    // A function of a module path (`resnet::resnet18`), not of a type (`Tensor::zeros`), nor
+    // one of tch's single layers (`nn::linear`).
+    let library = !segments.is_empty()
+        && segments.iter().all(|s| s.starts_with(char::is_lowercase))
+        && !segments.iter().any(|s| s == "nn")
+        && !live.functions.contains_key(&last)
+        && !definition.has_seq;
     let kind = if let Some((ty, impl_run)) =
         type_name.and_then(|ty| live.module_types.get(ty).map(|run| (ty, *run)))
     {
@@ -257,20 +283,15 @@ pub(super) fn model_origin(name: &str, live: &Live, used: &[String]) -> Option<M
         }
     } else if matches!(last.as_str(), "lstm" | "gru") {
         ModelKind::Recurrent { function: last }
-    } else if let Some((store, others)) =
-        store_and_parts(name, definition, live, used).filter(|(_, others)| !others.is_empty())
+    } else if let Some((store, others)) = store_and_parts(name, definition, live, used)
+        .filter(|(_, others)| !others.is_empty() && (library || builds_seq(definition, live)))
     {
+        // A model --checkpoint would rebuild, were it alone on its store.
         ModelKind::InParts {
             store: store.clone(),
             others,
         }
-    } else if segments.iter().all(|s| s.starts_with(char::is_lowercase))
-        && !segments.iter().any(|s| s == "nn")
-        && !live.functions.contains_key(&last)
-        && !definition.has_seq
-    {
-        // A function of a module path (`resnet::resnet18`), not of a type (`Tensor::zeros`),
-        // nor one of tch's single layers (`nn::linear`).
+    } else if library {
         ModelKind::Library { function: last }
     } else {
         return None;
@@ -436,7 +457,8 @@ mod tests {
              fn new() -> Config { Config { n: 1 } }\n}",
             "let vs = nn::VarStore::new(Device::Cpu);\nlet net = Net::new(&vs.root());\n\
              let lstm = nn::lstm(vs.root(), 65, 256, Default::default());\n\
-             let resnet = tch::vision::resnet::resnet18(&vs.root(), 10);\n\
+             let rvs = nn::VarStore::new(Device::Cpu);\n\
+             let resnet = tch::vision::resnet::resnet18(&rvs.root(), 10);\n\
              let zeros = Tensor::zeros([2], (Kind::Float, Device::Cpu));\n\
              let lin = nn::linear(vs.root(), 2, 2, Default::default());\n\
              let vae = Vae::new(&vs.root());\nlet config = Config::new();",
