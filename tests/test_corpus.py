@@ -143,6 +143,8 @@ def _terms():
         # BatchNorm keeps a running mean and variance per channel: on the device, not trainable.
         "resnet18": (r18, 2 * r18_channels, sgd_momentum),
         "resnet34": (r34, 2 * r34_channels, sgd_momentum),
+        # The backbone frozen: its variables and BatchNorm statistics held, only the head trains.
+        "finetune": (linear(512, 10), r18[0] - linear(512, 10)[0] + 2 * r18_channels, adam),
         "cifar_resnet": (fast, 2 * fast_channels, sgd_momentum),
         "vgg": (net, 2 * vgg_channels, adam),
         "char_rnn": (total(lstm, linear(256, TEXT_LABELS)), 0, adam),
