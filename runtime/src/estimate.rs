@@ -81,6 +81,13 @@ pub fn model(stores: &[&VarStore]) -> Model {
             .filter(|tensor| !addresses.contains(&(tensor.data_ptr() as usize)))
             .map(crate::tensor_bytes)
             .sum::<u64>();
+        shapes.gradient_bytes += store
+            .variables()
+            .values()
+            .map(|tensor| tensor.grad())
+            .filter(|grad| grad.defined())
+            .map(|grad| crate::tensor_bytes(&grad))
+            .sum::<u64>();
     }
     Model(shapes)
 }
@@ -154,6 +161,9 @@ mod tests {
         let x = Tensor::ones([1, 8], (Kind::Float, Device::Cpu));
         opt.backward_step(&head.forward(&backbone.forward(&x)).sum(Kind::Float));
         vs.freeze();
-        assert_eq!(super::model(&[&vs]).0.trainable.len(), 4);
+        let shapes = super::model(&[&vs]).0;
+        assert_eq!(shapes.trainable.len(), 4);
+        // Their gradients are there already: the model's, not other tensors the notebook holds.
+        assert_eq!(shapes.gradient_bytes, 4 * (8 * 4 + 4 + 4 * 2 + 2));
     }
 }

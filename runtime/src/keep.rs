@@ -150,7 +150,11 @@ impl KeptStore {
                 eprintln!("tchmem: a kept variable's values could not be put back: {error}");
             }
             if kept.tensor.requires_grad() != kept.requires_grad {
-                let _ = kept.tensor.set_requires_grad(kept.requires_grad);
+                if let Err(error) = kept.tensor.f_set_requires_grad(kept.requires_grad) {
+                    eprintln!(
+                        "tchmem: whether a kept variable is frozen could not be put back: {error}"
+                    );
+                }
             }
         }
         let mut guard = crate::state::lock(&self.variables);

@@ -13,7 +13,7 @@ pub fn copy_store(rebuilt: &mut VarStore, notebook: &VarStore) -> Result<(), Tch
     for (name, tensor) in rebuilt.variables() {
         if let Some(their) = theirs.get(&name) {
             if tensor.requires_grad() != their.requires_grad() {
-                let _ = tensor.set_requires_grad(their.requires_grad());
+                let _ = tensor.f_set_requires_grad(their.requires_grad())?;
             }
         }
     }

@@ -211,12 +211,12 @@ impl<R: Runner> Cells<R> {
             _ => None,
         };
         let fixed = rules.fixed(&shapes, zero_ranks);
-        // Before the first step the stores' variables are all the model holds; the rest of
+        // The stores' variables and the gradients they hold now are the model's; the rest of
         // what is allocated is the notebook's too, and stays through training.
         let parameters = rules.fixed(&shapes, None).parameters;
         let held = room.as_ref().map_or(0, |room| {
             room.allocated
-                .saturating_sub(parameters + shapes.frozen_bytes)
+                .saturating_sub(parameters + shapes.frozen_bytes + shapes.gradient_bytes)
         });
         let terms = ModelTerms {
             what: &what,

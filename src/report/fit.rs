@@ -933,7 +933,7 @@ pub fn model_terms_display(terms: &ModelTerms<'_>) -> Display {
         fixed.total() + terms.frozen + terms.held + terms.device.map_or(0, |(context, _)| context);
     if terms.held > 0 {
         lines.push(format!(
-            "  other tensors    {:>10}   on the device already, not the stores' variables (the \
+            "  other tensors    {:>10}   on the device already, beside the model's stores (the \
              notebook's data, a network on another store)",
             human_bytes(terms.held)
         ));

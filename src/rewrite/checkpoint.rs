@@ -64,15 +64,17 @@ pub(crate) fn apply(
     models: &[ModelOrigin],
     changes: &mut Vec<Change>,
 ) -> Result<(), Refusal> {
-    if let Some((line, model)) = every_layers_output(block) {
+    if let Some(call) = every_layers_output(block) {
         return Err(Refusal::new(
             format!(
-                "--checkpoint would save nothing here: the loop takes every layer's output \
-                 (`{model}.forward_all_t(…)` or `forward_all`), and the loss keeps them, so the \
-                 activations that checkpointing recomputes are held anyway. Checkpointing helps \
-                 a loop whose loss takes the model's last output (`xs.apply_t(&{model}, train)`)."
+                "--checkpoint would save nothing here: the loop takes every layer's output of \
+                 `{model}` (`{model}.{method}(…)`), and the loss keeps them, so the activations \
+                 that checkpointing recomputes are held anyway. Checkpointing helps a loop whose \
+                 loss takes the model's last output (`xs.apply_t(&{model}, train)`).",
+                model = call.model,
+                method = call.method,
             ),
-            Some(line),
+            Some(call.line),
         ));
     }
     let mut rewriter = Rewriter {
@@ -139,24 +141,54 @@ pub(crate) fn apply(
     Ok(())
 }
 
-/// The line and the model of a call that returns every layer's output (`net.forward_all_t(&xs,
-/// train, n)`, as a style transfer takes them), outside nested items.
-fn every_layers_output(block: &Block) -> Option<(usize, String)> {
-    struct Finder(Option<(usize, String)>);
-    impl<'a> Visit<'a> for Finder {
+/// A call that returns every layer's output of a model the cell checkpoints.
+struct EveryLayersOutput {
+    line: usize,
+    /// The model, as written (`net`, `self.vgg`).
+    model: String,
+    /// `forward_all` or `forward_all_t`.
+    method: String,
+}
+
+/// The first call that returns every layer's output (`net.forward_all_t(&xs, train, n)`, as a
+/// style transfer takes them) of a model built with `nn::seq()`/`nn::seq_t()` in the block (or
+/// brought into it from an earlier cell): the one `--checkpoint` would rewrite. A network whose
+/// layers only feed a loss (a perceptual loss's vgg) is not the model checkpointed.
+fn every_layers_output(block: &Block) -> Option<EveryLayersOutput> {
+    let checkpointed: Vec<String> = block
+        .stmts
+        .iter()
+        .filter(|stmt| builds_seq(stmt))
+        .flat_map(super::syntax::let_bindings)
+        .map(|binding| binding.ident.to_string())
+        .collect();
+    struct Finder<'c> {
+        checkpointed: &'c [String],
+        found: Option<EveryLayersOutput>,
+    }
+    impl<'a> Visit<'a> for Finder<'_> {
         fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            if self.0.is_none() && (call.method == "forward_all" || call.method == "forward_all_t")
-            {
-                let model = as_ident(&call.receiver).map_or("net".to_string(), |i| i.to_string());
-                self.0 = Some((line_of(call.method.span()), model));
+            let every = call.method == "forward_all" || call.method == "forward_all_t";
+            let model = as_ident(&call.receiver).map(|ident| ident.to_string());
+            if let (true, None, Some(model)) = (every, &self.found, model) {
+                if self.checkpointed.contains(&model) {
+                    self.found = Some(EveryLayersOutput {
+                        line: line_of(call.method.span()),
+                        model,
+                        method: call.method.to_string(),
+                    });
+                }
             }
             syn::visit::visit_expr_method_call(self, call);
         }
         fn visit_item(&mut self, _: &'a syn::Item) {}
     }
-    let mut finder = Finder(None);
+    let mut finder = Finder {
+        checkpointed: &checkpointed,
+        found: None,
+    };
     finder.visit_block(block);
-    finder.0
+    finder.found
 }
 
 /// Where the rewritten model keeps its segments' inputs (`--offload`, `--compress-activations`).
@@ -266,7 +298,9 @@ fn why_not(model: &ModelOrigin) -> String {
              --checkpoint rebuilds a model on a store of its own, with the optimizer on that \
              store, which would leave the other parts out of training. Build `{name}` on a \
              store of its own (as tch-rs's transfer-learning example builds its backbone), and \
-             the other parts and their optimizer on another.",
+             the other parts and their optimizer on another. (A frozen backbone whose input \
+             takes no gradient keeps no activations for the backward pass: checkpointing it \
+             saves nothing.)",
             others
                 .iter()
                 .map(|other| format!("`{other}`"))

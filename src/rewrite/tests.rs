@@ -1501,10 +1501,24 @@ fn rewrite_of_a_loop_that_takes_every_layers_output() {
     assert!(
         checkpoint
             .to_string()
-            .contains("--checkpoint would save nothing here: the loop takes every layer's output (`net.forward_all_t(…)`"),
+            .contains("--checkpoint would save nothing here: the loop takes every layer's output of `net` (`net.forward_all_t(…)`)"),
         "{checkpoint}"
     );
     assert_eq!(checkpoint.line, Some(3));
+    // A perceptual loss: a network's every layer's output scores the checkpointed generator's.
+    let perceptual = "let gen = nn::seq_t().add_fn(|x| x.relu());
+for (xs, _) in batches {
+    let out = xs.apply_t(&gen, true);
+    let features = vgg.forward_all_t(&out, false, Some(4));
+    let loss = features[3].mean(Kind::Float);
+    opt.backward_step(&loss);
+}";
+    let rewritten = rewrite_ok(perceptual, "--checkpoint");
+    assert!(
+        rewritten.code.contains("tchmem::checkpoint::seq_t()"),
+        "{}",
+        rewritten.code
+    );
 }
 
 #[test]

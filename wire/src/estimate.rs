@@ -355,6 +355,10 @@ pub struct ModelShapes {
     /// have an optimizer of its own).
     #[serde(default)]
     pub per_store: Vec<usize>,
+    /// Bytes of the gradients the stores' variables hold now (from a step before the estimate):
+    /// already allocated, and counted as gradients, not as what else the notebook holds.
+    #[serde(default)]
+    pub gradient_bytes: u64,
 }
 
 impl ModelShapes {

@@ -163,8 +163,8 @@ fn single_store<'a>(
 }
 
 /// The one VarStore of an earlier cell that `definition` (of `name`) builds on, and the other
-/// values the cell uses that are built on it (the model's other parts: a fine-tuned backbone's
-/// new head).
+/// values the cell uses that are built on a path of it (the model's other parts: a fine-tuned
+/// backbone's new head; not `vs.device()`).
 fn store_and_parts<'a>(
     name: &str,
     definition: &'a Definition,
@@ -188,7 +188,12 @@ fn store_and_parts<'a>(
         .filter(|other| {
             *other != name
                 && live.values.get(*other).is_some_and(|(_, _, d)| {
-                    d.what.is_none() && d.local.is_some() && d.uses.contains(*store)
+                    let on_a_path = d
+                        .local
+                        .as_ref()
+                        .and_then(|(_, init)| init.as_deref())
+                        .is_some_and(|init| init.contains(".root()"));
+                    d.what.is_none() && on_a_path && d.uses.contains(*store)
                 })
         })
         .cloned()
