@@ -221,7 +221,11 @@ fn literal_sites(block: &syn::Block) -> Result<BatchBinding, Refusal> {
     let values: BTreeSet<u64> = chosen.iter().map(|c| c.value).collect();
     match values.len() {
         0 => Err(Refusal::new(
-            format!("no batch size found in the cell: {HOW}"),
+            format!(
+                "no batch size found in the cell: {HOW}. A loop whose every step runs on the \
+                 same tensors (the whole dataset, a style transfer's image) has no batch to \
+                 vary: `%%memprofile` on the cell shows a step's peak and where it goes"
+            ),
             None,
         )),
         1 => {
@@ -463,6 +467,12 @@ mod tests {
     fn a_missing_or_ambiguous_batch_binding_says_what_to_write() {
         let none = find("let x = 1;\nfor i in 0..3 {}").unwrap_err();
         assert!(none.message.contains("let batch_size: i64 = 16;"), "{none}");
+        // A loop with no batch at all is pointed to the magic that measures it as it is.
+        assert!(
+            none.message
+                .contains("has no batch to vary: `%%memprofile`"),
+            "{none}"
+        );
         let computed = find("let width = 8;\nlet batch = width * 2;").unwrap_err();
         assert_eq!(computed.line, Some(2));
         assert!(computed

@@ -144,7 +144,7 @@ pub(crate) fn apply(
 /// A call that returns every layer's output of a model the cell checkpoints.
 struct EveryLayersOutput {
     line: usize,
-    /// The model, as written (`net`, `self.vgg`).
+    /// The model's variable (`net`).
     model: String,
     /// `forward_all` or `forward_all_t`.
     method: String,
