@@ -75,14 +75,14 @@ pub fn model(stores: &[&VarStore]) -> Model {
             .collect();
         shapes.trainable.extend(trainable.iter().map(shape));
         shapes.per_store.push(trainable.len());
-        shapes.frozen_bytes += store
-            .variables()
+        // One copy of the store's variables (each call locks the store and clones them all).
+        let variables = store.variables();
+        shapes.frozen_bytes += variables
             .values()
             .filter(|tensor| !addresses.contains(&(tensor.data_ptr() as usize)))
             .map(crate::tensor_bytes)
             .sum::<u64>();
-        shapes.gradient_bytes += store
-            .variables()
+        shapes.gradient_bytes += variables
             .values()
             .map(|tensor| tensor.grad())
             .filter(|grad| grad.defined())

@@ -2,7 +2,7 @@
 //! model and optimizer earlier cells built, with the exact terms (parameters, gradients,
 //! optimizer state by its rule, the CUDA context), and what the rest needs.
 
-use tchmem_wire::estimate::{ModelShapes, OptimizerRule, MODEL_SHAPES_MIME};
+use tchmem_wire::estimate::{tensor_bytes, ModelShapes, OptimizerRule, MODEL_SHAPES_MIME};
 
 use super::{fail, Cells, Runner};
 use crate::fit::estimate::Fixed;
@@ -213,7 +213,7 @@ impl<R: Runner> Cells<R> {
         let fixed = rules.fixed(&shapes, zero_ranks);
         // The stores' variables and the gradients they hold now are the model's; the rest of
         // what is allocated is the notebook's too, and stays through training.
-        let parameters = rules.fixed(&shapes, None).parameters;
+        let parameters = tensor_bytes(&shapes.trainable);
         let held = room.as_ref().map_or(0, |room| {
             room.allocated
                 .saturating_sub(parameters + shapes.frozen_bytes + shapes.gradient_bytes)

@@ -27,7 +27,7 @@ pub(super) fn rebuilt_model(
     let (run, definition, pattern, init) = model_let(name, live)?;
     let mut reached = reached_functions(definition, live);
     let store = single_store(name, definition, live, used)?;
-    if seq && !builds_seq(definition, live) {
+    if seq && !seq_in(definition, &reached, live) {
         return None;
     }
     // In the order they were defined.
@@ -125,10 +125,12 @@ fn reached_functions<'a>(definition: &'a Definition, live: &'a Live) -> Vec<&'a 
 /// Whether `definition` builds an `nn::seq()`/`nn::seq_t()`, itself or in the functions of
 /// earlier cells it calls: what `--checkpoint` rewrites.
 fn builds_seq(definition: &Definition, live: &Live) -> bool {
-    definition.has_seq
-        || reached_functions(definition, live)
-            .iter()
-            .any(|f| live.functions[*f].2.has_seq)
+    seq_in(definition, &reached_functions(definition, live), live)
+}
+
+/// [`builds_seq`], with the functions `definition` reaches already followed.
+fn seq_in(definition: &Definition, reached: &[&str], live: &Live) -> bool {
+    definition.has_seq || reached.iter().any(|f| live.functions[*f].2.has_seq)
 }
 
 /// The live `let {pattern} = {init}` of `name` that may build a model (not a store, an
