@@ -10,8 +10,8 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Expr, Stmt};
 
 use super::cell::line_of;
-use super::span::ForwardSpan;
-use super::syntax::{as_ident, bindings, let_bindings, mentions, stmts, Names};
+use super::span::{ForwardSpan, FORWARD_METHODS};
+use super::syntax::{as_ident, bindings, let_bindings, mentions, stmts, strip_parens, Names};
 use super::tree::{Loop, Role, Tree};
 use super::Refusal;
 
@@ -57,14 +57,41 @@ const SCALAR_METHODS: [&str; 14] = [
     "defined",
 ];
 
+/// A tensor the micro-batches split along dim 0.
+pub(crate) struct BatchTensor {
+    /// What the step reads: a variable (`xs`), or a data set's tensor it reads through a field
+    /// (`m.train_images`: a full-batch loop).
+    pub whole: Expr,
+    /// The name a micro-batch of it is bound to: the variable itself, or a fresh name for a
+    /// field, which the forward pass and loss then read instead.
+    pub part: Ident,
+}
+
+impl BatchTensor {
+    fn variable(ident: Ident) -> BatchTensor {
+        BatchTensor {
+            whole: syn::parse_quote!(#ident),
+            part: ident,
+        }
+    }
+
+    /// How the list of changes names it: `xs`, `m.train_images`.
+    pub fn describe(&self) -> String {
+        compact(&self.whole)
+    }
+}
+
 /// The batch tensors the forward pass uses: bound by the innermost training loop's pattern
 /// (not the `enumerate()` index), by the enclosing function's `Tensor` parameters, or by `let`
 /// statements between the start of the step's block and the forward call; last binding wins.
+/// Without any, the tensors the step reads through fields ([`field_tensors`]): a loop that
+/// trains on a whole data set every step.
 pub(crate) fn batch_tensors(
     tree: &Tree,
     block_id: usize,
     span: &ForwardSpan,
-) -> Result<Vec<Ident>, Refusal> {
+    names: &mut Names,
+) -> Result<Vec<BatchTensor>, Refusal> {
     let block = tree.blocks[block_id].block;
     let mut candidates: Vec<Ident> = Vec::new();
     // The last binding of a name decides whether it is a batch tensor; the first, where it
@@ -137,27 +164,136 @@ pub(crate) fn batch_tensors(
             !field
         })
         .collect();
-    if batch.is_empty() {
-        let hint = match through_fields.as_slice() {
-            [] => String::new(),
-            names => format!(
-                " ({} is used through a field, so it is not a tensor)",
-                names.join(", ")
-            ),
-        };
-        return Err(Refusal::naming(
-            span.lines.0,
-            span.lines,
-            format!(
-                "--accumulate looks for the batch tensors that the forward pass uses: variables \
-                 bound by the training loop's pattern (`for (xs, ys) in …`) or by `let` \
-                 statements before the forward call; the forward pass and loss ({}) use \
-                 none{hint}. Bind the batch with `let xs = …;` before the forward call.",
-                span.describe_lines()
-            ),
-        ));
+    if !batch.is_empty() {
+        return Ok(batch.into_iter().map(BatchTensor::variable).collect());
     }
-    Ok(batch)
+    let fields = field_tensors(span_stmts, names);
+    if !fields.is_empty() {
+        return Ok(fields);
+    }
+    let hint = match through_fields.as_slice() {
+        [] => String::new(),
+        names => format!(
+            " ({} is used through a field, but no field goes into the forward call as it is)",
+            names.join(", ")
+        ),
+    };
+    Err(Refusal::naming(
+        span.lines.0,
+        span.lines,
+        format!(
+            "--accumulate looks for the batch tensors that the forward pass uses: variables \
+             bound by the training loop's pattern (`for (xs, ys) in …`) or by `let` statements \
+             before the forward call, or a data set's tensors that the forward call takes \
+             through a field (`net.forward(&m.train_images)`); the forward pass and loss ({}) \
+             use none{hint}. Bind the batch with `let xs = …;` before the forward call.",
+            span.describe_lines()
+        ),
+    ))
+}
+
+/// The tensors a step reads through fields (`m.train_images`, `batch.0`): what the forward call
+/// takes (`net.forward(&m.train_images)`, `m.train_images.to_device(d).apply(&net)`), then every
+/// field of the same variables that the forward pass and loss pass by reference or call a
+/// method on (`.cross_entropy_for_logits(&m.train_labels)`), in order of first use, each with a fresh
+/// name for its micro-batch (`micro_train_images`). A model's own fields are not batch tensors: only what goes into
+/// the model, and its siblings, are.
+fn field_tensors(span_stmts: &[Stmt], names: &mut Names) -> Vec<BatchTensor> {
+    /// The variable at the root of a chain of fields (`m` of `m.data.images`), if `expr` is one.
+    fn field_root(expr: &Expr) -> Option<&Ident> {
+        let Expr::Field(field) = strip_parens(expr) else {
+            return None;
+        };
+        let mut base = &*field.base;
+        while let Expr::Field(inner) = strip_parens(base) {
+            base = &inner.base;
+        }
+        as_ident(base)
+    }
+    /// The field a forward call's input reads: `m.train_images` of `&m.train_images` or of
+    /// `m.train_images.to_device(device)`.
+    fn read_field(expr: &Expr) -> Option<&Expr> {
+        match strip_parens(expr) {
+            Expr::Reference(r) => read_field(&r.expr),
+            Expr::MethodCall(call) => read_field(&call.receiver),
+            field @ Expr::Field(_) => field_root(field).map(|_| field),
+            _ => None,
+        }
+    }
+    /// The fields a forward call takes: its argument, or `apply`'s receiver.
+    struct Inputs<'a>(Vec<&'a Expr>);
+    impl<'a> Visit<'a> for Inputs<'a> {
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            let method = call.method.to_string();
+            if FORWARD_METHODS.contains(&method.as_str()) {
+                let input = if method.starts_with("apply") {
+                    Some(&*call.receiver)
+                } else {
+                    call.args.first()
+                };
+                if let Some(field) = input.and_then(read_field) {
+                    self.0.push(field);
+                }
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    /// Fields passed by reference or called methods on (`&m.train_labels`,
+    /// `m.train_labels.to_device(d)`), in order: tensors, where a plain `m.labels` may be a number.
+    struct Referenced<'a>(Vec<&'a Expr>);
+    impl<'a> Visit<'a> for Referenced<'a> {
+        fn visit_expr_reference(&mut self, r: &'a syn::ExprReference) {
+            let inner = strip_parens(&r.expr);
+            if field_root(inner).is_some() {
+                self.0.push(inner);
+            }
+            visit::visit_expr_reference(self, r);
+        }
+        fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
+            let receiver = strip_parens(&call.receiver);
+            if field_root(receiver).is_some() {
+                self.0.push(receiver);
+            }
+            visit::visit_expr_method_call(self, call);
+        }
+    }
+    let mut inputs = Inputs(Vec::new());
+    let mut referenced = Referenced(Vec::new());
+    for stmt in span_stmts {
+        inputs.visit_stmt(stmt);
+        referenced.visit_stmt(stmt);
+    }
+    let roots: Vec<&Ident> = inputs.0.iter().filter_map(|e| field_root(e)).collect();
+    let mut found: Vec<BatchTensor> = Vec::new();
+    let same_root = referenced
+        .0
+        .into_iter()
+        .filter(|e| field_root(e).is_some_and(|root| roots.contains(&root)));
+    for expr in inputs.0.into_iter().chain(same_root) {
+        let text = compact(expr);
+        if found.iter().any(|t| t.describe() == text) {
+            continue;
+        }
+        // `micro_train_images`: the field's name says which tensor, the prefix that it is a
+        // micro-batch of it (a plain `train_images` is taken by the field itself).
+        let base = match expr {
+            Expr::Field(field) => match &field.member {
+                syn::Member::Named(name) => format!("micro_{name}"),
+                syn::Member::Unnamed(index) => format!("micro_{}", index.index),
+            },
+            _ => "micro_batch".to_string(),
+        };
+        found.push(BatchTensor {
+            whole: expr.clone(),
+            part: names.fresh(&base),
+        });
+    }
+    found
+}
+
+/// A variable or a chain of fields as written, without the token printer's spaces.
+fn compact(expr: &Expr) -> String {
+    expr.to_token_stream().to_string().replace(' ', "")
 }
 
 /// The variables a `for` pattern binds, without the index of `.enumerate()` (or any, for a
@@ -273,7 +409,7 @@ pub(crate) fn builds_model(stmts: &[Stmt]) -> Option<(String, usize)> {
 /// forward pass and loss use for the batch size (`sizes`, see [`batch_size_names`]).
 pub(crate) struct MicroPlan {
     pub k: u32,
-    pub batch: Vec<Ident>,
+    pub batch: Vec<BatchTensor>,
     pub sizes: Vec<Ident>,
 }
 
@@ -299,9 +435,12 @@ pub(crate) fn micro_batches(
     } = names;
     let MicroPlan { k, batch, sizes } = plan;
     let mut body = body.to_vec();
+    // A data set's tensors read through fields: the micro-batch's name in their place.
+    let mut read_parts = ReadParts(batch);
+    body.iter_mut().for_each(|s| read_parts.visit_stmt_mut(s));
     // Inside a micro-batch the batch size is the micro-batch's (`view([BATCH_SIZE * T, C])`),
     // in the batch size's own type.
-    let size_of_micro = match (sizes.first(), batch.first()) {
+    let size_of_micro = match (sizes.first(), batch.first().map(|t| &t.part)) {
         (Some(whole), Some(first)) => {
             let mut rename = Rename {
                 from: sizes,
@@ -319,6 +458,8 @@ pub(crate) fn micro_batches(
         quote!(#loss)
     };
     let k = proc_macro2::Literal::u32_unsuffixed(*k);
+    let parts = batch.iter().map(|t| &t.part);
+    let wholes = batch.iter().map(|t| &t.whole);
     let backward = match scaler {
         Some(scaler) => quote!(#scaler.scale(&#scaled).backward();),
         None => quote!(#scaled.backward();),
@@ -327,7 +468,7 @@ pub(crate) fn micro_batches(
         #opt.zero_grad();
         let #loss_pattern = {
             let mut #accumulated: Option<tch::Tensor> = None;
-            for (#weight, [#(ref #batch),*]) in tchmem::accumulate::split(#k, [#(&#batch),*]) {
+            for (#weight, [#(ref #parts),*]) in tchmem::accumulate::split(#k, [#(&#wholes),*]) {
                 #size_of_micro
                 tchmem::phase::forward();
                 #(#body)*
@@ -349,7 +490,7 @@ pub(crate) fn micro_batches(
 /// there, not a batch tensor, whose name says batch and size (`BATCH_SIZE`, `batch_size`), or is
 /// `batch`/`BATCH` itself, in order of first use. Not `NUM_BATCHES` or `batch_idx`: counts of
 /// batches keep their value.
-pub(crate) fn batch_size_names(body: &[Stmt], batch: &[Ident]) -> Vec<Ident> {
+pub(crate) fn batch_size_names(body: &[Stmt], batch: &[BatchTensor]) -> Vec<Ident> {
     struct Finder(Vec<Ident>);
     impl<'a> Visit<'a> for Finder {
         fn visit_expr_path(&mut self, e: &'a syn::ExprPath) {
@@ -374,8 +515,26 @@ pub(crate) fn batch_size_names(body: &[Stmt], batch: &[Ident]) -> Vec<Ident> {
     finder
         .0
         .into_iter()
-        .filter(|name| !batch.contains(name) && !bound.contains(name))
+        .filter(|name| !batch.iter().any(|t| t.part == *name) && !bound.contains(name))
         .collect()
+}
+
+/// Replaces the step's reads of batch tensors through fields (`m.train_images`) with the
+/// micro-batch's name.
+struct ReadParts<'a>(&'a [BatchTensor]);
+
+impl VisitMut for ReadParts<'_> {
+    fn visit_expr_mut(&mut self, e: &mut Expr) {
+        if let Expr::Field(_) = e {
+            let text = compact(e);
+            if let Some(tensor) = self.0.iter().find(|t| t.describe() == text) {
+                let part = &tensor.part;
+                *e = syn::parse_quote!(#part);
+                return;
+            }
+        }
+        visit_mut::visit_expr_mut(self, e);
+    }
 }
 
 /// Replaces reads of the names `from` with `to`.

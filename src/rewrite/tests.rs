@@ -463,9 +463,10 @@ fn rewrite_refusals_name_the_missing_pattern_and_line() {
     let refused = refusal(src, "--accumulate 2");
     assert!(refused.message.contains("batch tensors"), "{refused}");
     assert_eq!(refused.line, Some(2));
-    // A batch struct, not tensors.
-    let src = "for batch in loader {\n    let loss = model.forward(&batch.images).mse_loss(\
-               &batch.labels, tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
+    // A batch struct whose fields the forward call does not take as they are.
+    let src =
+        "for batch in loader {\n    let loss = model.forward(&prepare(batch.images)).mse_loss(\
+               &labels_of(&batch), tch::Reduction::Mean);\n    opt.backward_step(&loss);\n}\n";
     let refused = refusal(src, "--accumulate 2");
     assert!(
         refused.message.contains("batch is used through a field"),
@@ -577,6 +578,70 @@ fn rewrite_accumulate_splits_only_the_batch() {
     assert!(!code.contains("loss.backward()"), "{code}");
     assert!(code.contains("opt.step();"), "{code}");
     assert_parses(code, "split batch");
+}
+
+#[test]
+fn rewrite_accumulate_splits_a_data_set_that_a_full_batch_loop_reads_through_fields() {
+    // tch-rs's mnist_nn: every step trains on the whole data set, `m.train_images`.
+    let src = "for epoch in 1..20 {
+    let loss = net.forward(&m.train_images).cross_entropy_for_logits(&m.train_labels);
+    opt.backward_step(&loss);
+    let test_accuracy = net.forward(&m.test_images).accuracy_for_logits(&m.test_labels);
+    println!(\"{epoch} {}\", f64::try_from(&test_accuracy)?);
+}";
+    let rewritten = rewrite_ok(src, "--accumulate 2");
+    let code = &rewritten.code;
+    let flat: String = code.split_whitespace().collect();
+    assert!(
+        flat.contains("[refmicro_train_images,refmicro_train_labels]")
+            && flat.contains("split(2,[&m.train_images,&m.train_labels],)"),
+        "{code}"
+    );
+    assert!(
+        flat.contains(
+            "net.forward(&micro_train_images).cross_entropy_for_logits(&micro_train_labels)"
+        ),
+        "{code}"
+    );
+    // What the step does after the loss still reads the whole test set.
+    assert!(flat.contains("net.forward(&m.test_images)"), "{code}");
+    assert!(
+        rewritten.changes.iter().any(|c| c
+            .what
+            .contains("the batch (m.train_images, m.train_labels) runs as 2")),
+        "{:?}",
+        rewritten.changes
+    );
+    assert_parses(code, "full batch");
+    // A batch struct's fields, moved to the device; a tuple's; the model's own fields are not
+    // the batch.
+    let struct_fields = "for batch in loader {
+    let loss = model.forward(&batch.images.to_device(d)).mse_loss(&batch.labels.to_device(d), tch::Reduction::Mean);
+    opt.backward_step(&loss);
+}";
+    let tuple_fields = "for batch in loader {
+    let out = net.forward(&batch.0).matmul(&net.proj);
+    let loss = out.cross_entropy_for_logits(&batch.1);
+    opt.backward_step(&loss);
+}";
+    for (src, split, forward) in [
+        (
+            struct_fields,
+            "split(2,[&batch.images,&batch.labels],)",
+            "model.forward(&micro_images.to_device(d))",
+        ),
+        (
+            tuple_fields,
+            "split(2,[&batch.0,&batch.1],)",
+            "net.forward(&micro_0).matmul(&net.proj)",
+        ),
+    ] {
+        let flat: String = rewrite_ok(src, "--accumulate 2")
+            .code
+            .split_whitespace()
+            .collect();
+        assert!(flat.contains(split) && flat.contains(forward), "{flat}");
+    }
 }
 
 #[test]

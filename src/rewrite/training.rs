@@ -69,7 +69,7 @@ pub(crate) fn apply(
     }
     let later = &stmts_now[span.end + 1..];
     let micro = match accumulate {
-        Some(k) => Some(plan_micro_batches(k, &tree, &step, &span, later)?),
+        Some(k) => Some(plan_micro_batches(k, &tree, &step, &span, later, names)?),
         None => None,
     };
 
@@ -162,7 +162,7 @@ fn amp_change(lines: (usize, usize), f16: bool) -> Change {
 /// What `--accumulate K` did, for the list of changes (and what it changes for batch norm).
 fn accumulate_changes(plan: &MicroPlan, span: &ForwardSpan, batch_norm: bool) -> Vec<Change> {
     let MicroPlan { k, batch, sizes } = plan;
-    let batch_names: Vec<String> = batch.iter().map(|b| b.to_string()).collect();
+    let batch_names: Vec<String> = batch.iter().map(|b| b.describe()).collect();
     let mut changes = vec![Change::over(
         span.lines,
         format!(
@@ -480,6 +480,7 @@ fn plan_micro_batches(
     step: &Step,
     span: &ForwardSpan,
     later: &[Stmt],
+    names: &mut Names,
 ) -> Result<MicroPlan, Refusal> {
     let stmts = &tree.blocks[step.block].block.stmts[span.start..=span.end];
     if let Some((what, line)) = accumulate::builds_model(stmts) {
@@ -527,7 +528,7 @@ fn plan_micro_batches(
             ),
         ));
     }
-    let batch = accumulate::batch_tensors(tree, step.block, span)?;
+    let batch = accumulate::batch_tensors(tree, step.block, span, names)?;
     let sizes = accumulate::batch_size_names(stmts, &batch);
     Ok(MicroPlan { k, batch, sizes })
 }
