@@ -192,7 +192,7 @@ impl<R: Runner> Cells<R> {
     /// `code` with what `wanted` from the cells that ran before in front of it.
     fn assemble(&self, code: &str, wanted: Wanted) -> Assembled {
         let sources = |module: &[String]| library_module(&self.runner, module);
-        rewrite::earlier::assemble_with(code, &self.history, wanted, &sources)
+        rewrite::earlier::assemble_with(code, self.runs, &self.history, wanted, &sources)
     }
 
     /// Runs one cell: its magics, then its code, then records its memory.

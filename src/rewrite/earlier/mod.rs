@@ -289,14 +289,16 @@ impl Assembled {
 /// library's sources at hand (the rewriter's tests).
 #[cfg(test)]
 pub fn assemble(cell: &str, earlier: &[EarlierCell], wanted: Wanted) -> Assembled {
-    assemble_with(cell, earlier, wanted, &|_| None)
+    let run = earlier.last().map_or(1, |last| last.run + 1);
+    assemble_with(cell, run, earlier, wanted, &|_| None)
 }
 
-/// `cell` with the definitions `wanted` from `earlier` cells (oldest first) in front of it; a
-/// model built by a library's function may be rebuilt from its module's source, read by
-/// `sources`.
+/// `cell` (the session's cell number `run`) with the definitions `wanted` from `earlier` cells
+/// (oldest first) in front of it; a model built by a library's function may be rebuilt from its
+/// module's source, read by `sources`.
 pub fn assemble_with(
     cell: &str,
+    run: usize,
     earlier: &[EarlierCell],
     wanted: Wanted,
     sources: ModuleSources<'_>,
@@ -400,6 +402,7 @@ pub fn assemble_with(
                 .as_ref()?
                 .unknown_optimizer(&rebuilt.name, rebuilt.run)
         })
+        .chain(unknown_optimizers_built_in(cell, run, earlier))
         .collect();
 
     let mut prelude = String::new();
@@ -424,6 +427,39 @@ pub fn assemble_with(
 }
 
 /// The optimizers `cell`'s training steps step (`opt` of `opt.step()` after a backward).
+/// The optimizers of a type tchmem does not know that `cell` (cell number `run`) builds itself
+/// and steps: `let mut opt = SparseAdam::new(&vs, …);` above its loop, on a store of an earlier
+/// cell. The cell builds them in every trial; messages and estimates name them as they name one
+/// of an earlier cell.
+fn unknown_optimizers_built_in(
+    cell: &str,
+    run: usize,
+    earlier: &[EarlierCell],
+) -> Vec<UnknownOptimizer> {
+    let steps = stepped(cell);
+    let this = EarlierCell {
+        run,
+        code: cell.to_string(),
+    };
+    // Most cells build no value they step: one parse of the cell says so.
+    let own = Live::of(std::slice::from_ref(&this));
+    if !steps.iter().any(|name| own.values.contains_key(name)) {
+        return Vec::new();
+    }
+    // The store and the optimizer's type are the earlier cells'.
+    let mut all = Live::of(&[earlier, std::slice::from_ref(&this)].concat());
+    all.mark_unknown_optimizers(&steps);
+    steps
+        .iter()
+        .filter_map(|name| {
+            let (built_in, _, definition) = all.values.get(name)?;
+            (*built_in == run)
+                .then(|| definition.optimizer.as_ref()?.unknown_optimizer(name, run))
+                .flatten()
+        })
+        .collect()
+}
+
 fn stepped(cell: &str) -> Vec<String> {
     let Ok(parsed) = super::cell::parse(cell) else {
         return Vec::new();
@@ -624,6 +660,49 @@ mod tests {
             Some("SparseAdam")
         );
         assert_eq!(optimizer.rule, None);
+    }
+
+    #[test]
+    fn an_optimizer_the_notebook_wrote_built_in_the_training_cell_is_named_as_such() {
+        let earlier = cells(&[
+            WRITTEN,
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());",
+        ]);
+        let cell = format!("let mut opt = SparseAdam::new(&vs, 5e-3);\n{WRITTEN_LOOP}");
+        let assembled = assemble(&cell, &earlier, Wanted::TRIAL);
+        // The cell builds it itself: nothing is brought, and it is the cell's (number 3).
+        assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+        assert_eq!(
+            assembled.known.unknown_optimizers,
+            [UnknownOptimizer {
+                name: "opt".into(),
+                run: 3,
+                store: "vs".into(),
+                kind: UnknownType {
+                    name: "SparseAdam".into(),
+                    in_notebook: true
+                }
+            }]
+        );
+        // A value the cell builds on the store but does not step is not one.
+        let unstepped = format!("let mut ema = SparseAdam::new(&vs, 5e-3);\n{LOOP}");
+        let known = assemble(&unstepped, &earlier, Wanted::TRIAL).known;
+        assert!(known.unknown_optimizers.is_empty());
+        // --optimizer then names it, where it said to build an optimizer in the cell.
+        let refused = crate::rewrite::rewrite(
+            &cell,
+            &crate::rewrite::Options {
+                optimizer: Some(crate::rewrite::OptimizerChoice::Adafactor),
+                ..Default::default()
+            },
+            &assembled.known,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            refused.contains("`opt` (a `SparseAdam`, built in cell [3]), one the notebook wrote"),
+            "{refused}"
+        );
     }
 
     #[test]
