@@ -192,34 +192,56 @@ pub(crate) fn batch_tensors(
     ))
 }
 
+/// Methods that keep a tensor's rows as they are: a field read through them is still the whole
+/// data set (`m.train_images.to_device(d)`); one read through any other (`narrow`, `i`) is a
+/// selection the loop makes, not a batch to split.
+const ROW_KEEPING_METHODS: [&str; 9] = [
+    "to_device",
+    "to",
+    "to_kind",
+    "shallow_clone",
+    "view",
+    "reshape",
+    "contiguous",
+    "detach",
+    "flatten",
+];
+
+/// The variable at the root of a chain of fields (`m` of `m.data.images`), if `expr` is one.
+fn field_root(expr: &Expr) -> Option<&Ident> {
+    let Expr::Field(field) = strip_parens(expr) else {
+        return None;
+    };
+    let mut base = &*field.base;
+    while let Expr::Field(inner) = strip_parens(base) {
+        base = &inner.base;
+    }
+    as_ident(base)
+}
+
+/// The field an argument reads whole: `m.train_images` of `&m.train_images` or of
+/// `&m.train_images.to_device(d)` (through [`ROW_KEEPING_METHODS`] only).
+fn read_field(expr: &Expr) -> Option<&Expr> {
+    match strip_parens(expr) {
+        Expr::Reference(r) => read_field(&r.expr),
+        Expr::MethodCall(call)
+            if ROW_KEEPING_METHODS.contains(&call.method.to_string().as_str()) =>
+        {
+            read_field(&call.receiver)
+        }
+        field @ Expr::Field(_) => field_root(field).map(|_| field),
+        _ => None,
+    }
+}
+
 /// The tensors a step reads through fields (`m.train_images`, `batch.0`): what the forward call
-/// takes (`net.forward(&m.train_images)`, `m.train_images.to_device(d).apply(&net)`), then every
-/// field of the same variables that the forward pass and loss pass by reference or call a
-/// method on (`.cross_entropy_for_logits(&m.train_labels)`), in order of first use, each with a fresh
-/// name for its micro-batch (`micro_train_images`). A model's own fields are not batch tensors: only what goes into
-/// the model, and its siblings, are.
+/// takes (`net.forward(&m.train_images)`, `m.train_images.to_device(d).apply(&net)`), then the
+/// fields of the same variables that the forward pass and loss pass to a method
+/// (`.cross_entropy_for_logits(&m.train_labels)`), in order of first use, each with a fresh name
+/// for its micro-batch (`micro_train_images`). A model's own fields (`t.net` of
+/// `t.net.forward(&t.xs)`), what goes inside `Some(…)`, and a field a macro in the span reads
+/// (which the rename cannot reach) make none.
 fn field_tensors(span_stmts: &[Stmt], names: &mut Names) -> Vec<BatchTensor> {
-    /// The variable at the root of a chain of fields (`m` of `m.data.images`), if `expr` is one.
-    fn field_root(expr: &Expr) -> Option<&Ident> {
-        let Expr::Field(field) = strip_parens(expr) else {
-            return None;
-        };
-        let mut base = &*field.base;
-        while let Expr::Field(inner) = strip_parens(base) {
-            base = &inner.base;
-        }
-        as_ident(base)
-    }
-    /// The field a forward call's input reads: `m.train_images` of `&m.train_images` or of
-    /// `m.train_images.to_device(device)`.
-    fn read_field(expr: &Expr) -> Option<&Expr> {
-        match strip_parens(expr) {
-            Expr::Reference(r) => read_field(&r.expr),
-            Expr::MethodCall(call) => read_field(&call.receiver),
-            field @ Expr::Field(_) => field_root(field).map(|_| field),
-            _ => None,
-        }
-    }
     /// The fields a forward call takes: its argument, or `apply`'s receiver.
     struct Inputs<'a>(Vec<&'a Expr>);
     impl<'a> Visit<'a> for Inputs<'a> {
@@ -238,34 +260,38 @@ fn field_tensors(span_stmts: &[Stmt], names: &mut Names) -> Vec<BatchTensor> {
             visit::visit_expr_method_call(self, call);
         }
     }
-    /// Fields passed by reference or called methods on (`&m.train_labels`,
-    /// `m.train_labels.to_device(d)`), in order: tensors, where a plain `m.labels` may be a number.
-    struct Referenced<'a>(Vec<&'a Expr>);
-    impl<'a> Visit<'a> for Referenced<'a> {
-        fn visit_expr_reference(&mut self, r: &'a syn::ExprReference) {
-            let inner = strip_parens(&r.expr);
-            if field_root(inner).is_some() {
-                self.0.push(inner);
-            }
-            visit::visit_expr_reference(self, r);
-        }
+    /// Fields that methods take as arguments (`&m.train_labels`), in order: tensors, where a
+    /// plain `m.labels` may be a number.
+    struct Arguments<'a>(Vec<&'a Expr>);
+    impl<'a> Visit<'a> for Arguments<'a> {
         fn visit_expr_method_call(&mut self, call: &'a syn::ExprMethodCall) {
-            let receiver = strip_parens(&call.receiver);
-            if field_root(receiver).is_some() {
-                self.0.push(receiver);
-            }
+            self.0.extend(call.args.iter().filter_map(read_field));
             visit::visit_expr_method_call(self, call);
         }
     }
+    /// Whether a macro's tokens name `root`.
+    struct InMacro<'r>(&'r Ident, bool);
+    impl<'a> Visit<'a> for InMacro<'_> {
+        fn visit_macro(&mut self, mac: &'a syn::Macro) {
+            self.1 |= mentions(mac.tokens.clone(), &self.0.to_string());
+        }
+    }
     let mut inputs = Inputs(Vec::new());
-    let mut referenced = Referenced(Vec::new());
+    let mut arguments = Arguments(Vec::new());
     for stmt in span_stmts {
         inputs.visit_stmt(stmt);
-        referenced.visit_stmt(stmt);
+        arguments.visit_stmt(stmt);
     }
     let roots: Vec<&Ident> = inputs.0.iter().filter_map(|e| field_root(e)).collect();
+    for root in &roots {
+        let mut in_macro = InMacro(root, false);
+        span_stmts.iter().for_each(|s| in_macro.visit_stmt(s));
+        if in_macro.1 {
+            return Vec::new();
+        }
+    }
     let mut found: Vec<BatchTensor> = Vec::new();
-    let same_root = referenced
+    let same_root = arguments
         .0
         .into_iter()
         .filter(|e| field_root(e).is_some_and(|root| roots.contains(&root)));
@@ -515,7 +541,11 @@ pub(crate) fn batch_size_names(body: &[Stmt], batch: &[BatchTensor]) -> Vec<Iden
     finder
         .0
         .into_iter()
-        .filter(|name| !batch.iter().any(|t| t.part == *name) && !bound.contains(name))
+        .filter(|name| {
+            // `batch` of `for batch in loader { … &batch.images … }` is the batch itself.
+            let read_through = batch.iter().any(|t| field_root(&t.whole) == Some(name));
+            !batch.iter().any(|t| t.part == *name) && !read_through && !bound.contains(name)
+        })
         .collect()
 }
 

@@ -224,8 +224,9 @@ fn literal_sites(block: &syn::Block) -> Result<BatchBinding, Refusal> {
             format!(
                 "no batch size found in the cell: {HOW}. A loop whose every step runs on the \
                  same tensors (the whole dataset, a style transfer's image) has no batch to \
-                 vary: `%%memprofile` on the cell shows a step's peak and where it goes, and \
-                 `%%optimize --accumulate K --compare 2` what splitting the step into K \
+                 vary: `%%memprofile` on the cell shows a step's peak and where it goes; where \
+                 every step reads a whole dataset through a field (`m.train_images`), \
+                 `%%optimize --accumulate K --compare 2` shows what splitting it into K \
                  micro-batches saves"
             ),
             None,

@@ -641,6 +641,37 @@ fn rewrite_accumulate_splits_a_data_set_that_a_full_batch_loop_reads_through_fie
             .split_whitespace()
             .collect();
         assert!(flat.contains(split) && flat.contains(forward), "{flat}");
+        // `batch` is the batch, not its size.
+        assert!(!flat.contains("micro_size"), "{flat}");
+    }
+    // A model held in the same struct as the data is not split; the data is.
+    let shared_root = "for epoch in 0..10 {
+    let loss = t.net.forward(&t.xs).mse_loss(&t.ys, tch::Reduction::Mean);
+    opt.backward_step(&loss);
+}";
+    let flat: String = rewrite_ok(shared_root, "--accumulate 2")
+        .code
+        .split_whitespace()
+        .collect();
+    assert!(
+        flat.contains("split(2,[&t.xs,&t.ys],)") && flat.contains("t.net.forward(&micro_xs)"),
+        "{flat}"
+    );
+    // Rows the loop selects itself, and a field a macro reads, are not a data set to split.
+    for selecting in [
+        "for i in 0..n {
+    let loss = net.forward(&m.train_images.narrow(0, i * BATCH_SIZE, BATCH_SIZE)).cross_entropy_for_logits(&m.train_labels.narrow(0, i * BATCH_SIZE, BATCH_SIZE));
+    opt.backward_step(&loss);
+}",
+        "for epoch in 1..20 {
+    let logits = net.forward(&m.train_images);
+    assert_eq!(logits.size()[0], m.train_labels.size()[0]);
+    let loss = logits.cross_entropy_for_logits(&m.train_labels);
+    opt.backward_step(&loss);
+}",
+    ] {
+        let refused = refusal(selecting, "--accumulate 2").to_string();
+        assert!(refused.contains("looks for the batch tensors"), "{refused}");
     }
 }
 
