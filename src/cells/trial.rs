@@ -107,7 +107,9 @@ impl<R: Runner> Cells<R> {
                 format!("{magic} runs the cell in trials: {why}"),
             ));
         }
-        let known_rule = rewrite::training_facts(&assembled.code).optimizer;
+        let known_rule = rewrite::training_facts(&assembled.code)
+            .optimizer
+            .or_else(|| assembled.known.rules_built_by_functions.first().cloned());
         let unknown_optimizer = known_rule
             .is_none()
             .then(|| assembled.known.unknown_optimizers.first().cloned())

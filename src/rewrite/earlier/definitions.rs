@@ -66,7 +66,44 @@ impl Live {
                     .or_insert((earlier.run, index, definition));
             }
         }
+        live.mark_optimizers_built_by_functions();
         live
+    }
+
+    /// Marks the values a function of the notebook's builds on a VarStore when the function
+    /// builds one of tch's or tchmem's optimizers (`let mut opt = make_optimizer(&vs);` with
+    /// `fn make_optimizer(vs: &nn::VarStore) -> nn::Optimizer { nn::Adam::default().build(vs,
+    /// 1e-3).unwrap() }`): trials build one afresh from the statement, and its state is
+    /// counted by the build's rule.
+    fn mark_optimizers_built_by_functions(&mut self) {
+        let is_store = |name: &String| {
+            self.values
+                .get(name)
+                .is_some_and(|(_, _, d)| matches!(d.what, Some(Defined::VarStore)))
+        };
+        let built: Vec<(String, Built)> = self
+            .values
+            .iter()
+            .filter(|(_, (_, _, d))| d.what.is_none())
+            .filter_map(|(name, (_, _, d))| {
+                let call = d.function_call.as_ref()?;
+                let store = call.arguments.iter().find(|a| is_store(a))?.clone();
+                let (_, _, function) = self.functions.get(&call.function)?;
+                let rule = built_rule(&function.code)?;
+                let built = Built {
+                    store: Some(store),
+                    rule: Some(rule),
+                    unknown: None,
+                };
+                Some((name.clone(), built))
+            })
+            .collect();
+        for (name, built) in built {
+            if let Some((_, _, definition)) = self.values.get_mut(&name) {
+                definition.what = Some(Defined::Brought(Brought::Optimizer));
+                definition.optimizer = Some(built);
+            }
+        }
     }
 
     /// The values that a type of the notebook's makes on a whole VarStore
@@ -154,6 +191,9 @@ pub(super) struct Definition {
     /// For a `let` of a type's function (`SparseAdam::new(&vs, 5e-3)?`): the type and the
     /// variables passed whole.
     pub(super) type_call: Option<TypeCall>,
+    /// For a `let` of a function of the notebook's (`make_optimizer(&vs)?`): the function and
+    /// the variables passed whole.
+    pub(super) function_call: Option<FunctionCall>,
 }
 
 /// A value built by a type's function (`SparseAdam::new(&vs, 5e-3, 0.9)`, perhaps with `?` or
@@ -176,16 +216,52 @@ impl TypeCall {
         if !type_name.starts_with(char::is_uppercase) || func.qself.is_some() {
             return None;
         }
-        let arguments = call
-            .args
-            .iter()
-            .filter_map(|argument| as_ref_ident(argument).or_else(|| as_mut_ref_ident(argument)))
-            .map(|ident| ident.to_string())
-            .collect();
         Some(TypeCall {
             type_name,
-            arguments,
+            arguments: whole_arguments(call),
         })
+    }
+}
+
+/// A value built by a function of the notebook's (`make_optimizer(&vs)`, perhaps with `?` or
+/// `.unwrap()`), and the variables it is given whole.
+pub(super) struct FunctionCall {
+    pub(super) function: String,
+    pub(super) arguments: Vec<String>,
+}
+
+impl FunctionCall {
+    /// The call `init` makes, when it is a function named by one plain name.
+    fn of(init: &syn::Expr) -> Option<FunctionCall> {
+        let call = call_under(init, &["unwrap", "expect"])?;
+        let syn::Expr::Path(func) = &*call.func else {
+            return None;
+        };
+        let function = func.path.get_ident()?.to_string();
+        Some(FunctionCall {
+            function,
+            arguments: whole_arguments(call),
+        })
+    }
+}
+
+/// The variables a call is given whole (`vs` of `&vs`, `&mut vs`).
+fn whole_arguments(call: &syn::ExprCall) -> Vec<String> {
+    call.args
+        .iter()
+        .filter_map(|argument| as_ref_ident(argument).or_else(|| as_mut_ref_ident(argument)))
+        .map(|ident| ident.to_string())
+        .collect()
+}
+
+/// The rule of the one optimizer of tch's or tchmem's a function's code builds
+/// (`nn::Adam::default().build(vs, 1e-3)`), if it builds exactly one.
+fn built_rule(function_code: &str) -> Option<(String, OptimizerRule)> {
+    let parsed = cell::parse(function_code).ok()?;
+    let builds = optimizer::builds(&Tree::of(&parsed.block));
+    match builds.as_slice() {
+        [build] => rule_of(&build.config),
+        _ => None,
     }
 }
 
@@ -292,6 +368,13 @@ fn definitions(code: &str, parsed: &cell::Cell) -> Vec<Definition> {
                     .init
                     .as_ref()
                     .and_then(|init| TypeCall::of(&init.expr)),
+                _ => None,
+            },
+            function_call: match stmt {
+                Stmt::Local(local) => local
+                    .init
+                    .as_ref()
+                    .and_then(|init| FunctionCall::of(&init.expr)),
                 _ => None,
             },
         });

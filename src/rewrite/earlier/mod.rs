@@ -28,6 +28,8 @@ mod model;
 
 use std::collections::HashSet;
 
+use tchmem_wire::estimate::OptimizerRule;
+
 use super::{Change, Refusal};
 use definitions::{all_names, free_names, Defined, Live};
 
@@ -143,6 +145,10 @@ pub struct Known {
     /// The optimizers brought in that the cell steps and whose type tchmem does not know (the
     /// notebook's own `SparseAdam`, a crate's): rewrites that change tch's optimizers say so.
     pub unknown_optimizers: Vec<UnknownOptimizer>,
+    /// The rules of optimizers brought in that a function of the notebook builds
+    /// (`let mut opt = make_optimizer(&vs);`), with their names (`Adam`): the code brought in
+    /// shows no build to read them from.
+    pub rules_built_by_functions: Vec<(String, OptimizerRule)>,
 }
 
 /// An optimizer of a type tchmem does not know, built on a store by an earlier cell
@@ -404,6 +410,14 @@ pub fn assemble_with(
         })
         .chain(unknown_optimizers_built_in(cell, run, earlier))
         .collect();
+    let rules_built_by_functions = rebuilt
+        .iter()
+        .filter_map(|rebuilt| {
+            let definition = &live.get(&rebuilt.name)?.2;
+            definition.function_call.as_ref()?;
+            definition.optimizer.as_ref()?.rule.clone()
+        })
+        .collect();
 
     let mut prelude = String::new();
     for rebuilt in &rebuilt {
@@ -422,6 +436,7 @@ pub fn assemble_with(
             models,
             linears,
             unknown_optimizers,
+            rules_built_by_functions,
         },
     }
 }
@@ -749,6 +764,51 @@ mod tests {
         assert!(assemble("let y = opt.lr();", &earlier, Wanted::TRIAL)
             .rebuilt
             .is_empty());
+    }
+
+    #[test]
+    fn an_optimizer_a_function_of_the_notebook_builds_is_brought_with_its_rule() {
+        let earlier = cells(&[
+            "fn make_opt(vs: &nn::VarStore) -> nn::Optimizer {\n    \
+             nn::AdamW::default().build(vs, 1e-3).unwrap()\n}",
+            "let vs = nn::VarStore::new(Device::Cpu);\nlet net = net(&vs.root());\n\
+             let mut opt = make_opt(&vs);",
+        ]);
+        // Trials build a fresh one from the statement, and count AdamW's state.
+        let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
+        let brought: Vec<(&str, Brought)> = assembled
+            .rebuilt
+            .iter()
+            .map(|r| (r.name.as_str(), r.what))
+            .collect();
+        assert_eq!(brought, [("opt", Brought::Optimizer)]);
+        assert_eq!(
+            assembled.known.rules_built_by_functions,
+            [("AdamW".to_string(), OptimizerRule::AdamW)]
+        );
+        // Before any loop, %memestimate reads the same rule.
+        let model = live_model(&earlier).unwrap();
+        assert_eq!(
+            model.optimizers[0].rule,
+            Some(("AdamW".to_string(), OptimizerRule::AdamW))
+        );
+        // A function that builds none, or two, is no optimizer's.
+        for body in [
+            "nn::seq()",
+            "if fast { nn::Sgd::default().build(vs, 0.1).unwrap() } else { \
+             nn::Adam::default().build(vs, 1e-3).unwrap() }",
+        ] {
+            let earlier = cells(&[
+                &format!("fn make_opt(vs: &nn::VarStore) -> nn::Optimizer {{ {body} }}"),
+                "let vs = nn::VarStore::new(Device::Cpu);\nlet mut opt = make_opt(&vs);",
+            ]);
+            let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
+            assert!(
+                assembled.rebuilt.is_empty(),
+                "{body}: {:?}",
+                assembled.rebuilt
+            );
+        }
     }
 
     #[test]
