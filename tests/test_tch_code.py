@@ -469,6 +469,29 @@ def test_an_optimizer_the_notebook_wrote_is_built_afresh_by_the_magics_and_kept_
     reply, messages = execute(kc, "own_opt.steps")
     assert result_text(messages) == "3", result_text(messages)
 
+    # Built in the training cell itself, it is named the same way (not "found none").
+    own_cell = "let mut own_opt = Momentum::new(&own_vs, 0.05);\n" + WRITTEN_LOOP
+    reply, _ = execute(kc, "%%optimize --optimizer lion --show\n" + own_cell)
+    assert reply["status"] == "error" and reply["ename"] == "RewriteRefused", reply
+    assert "`own_opt` (a `Momentum`, built in cell [" in reply["evalue"], reply["evalue"]
+
+    # Built by a function of the notebook that builds tch's Adam: followed, its state counted.
+    reply, _ = execute(
+        kc,
+        "use tch::nn::OptimizerConfig;\n"
+        "fn make_opt(vs: &VarStore) -> nn::Optimizer {\n"
+        "    nn::Adam::default().build(vs, 1e-3).unwrap()\n}\n"
+        "let mut own_opt = make_opt(&own_vs);",
+    )
+    assert reply["status"] == "ok", reply
+    parameters = (8 * 16 + 16 + 16 * 4 + 4) * 4
+    reply, messages = execute(kc, "%memestimate\n" + WRITTEN_LOOP, timeout=300)
+    assert reply["status"] == "ok", reply
+    (estimate,) = displayed(messages, ESTIMATE_MIME)
+    assert "Adam" in estimate["what"] and "SGD" not in estimate["what"], estimate
+    # Adam's two moments, and its step counts.
+    assert 2 * parameters <= estimate["optimizer_state"] <= 2 * parameters + 64, estimate
+
 
 # Fine-tuning as tch-rs's transfer-learning example sets it up: a backbone on a store of its
 # own, frozen, and a new head with its optimizer on another.
