@@ -189,10 +189,16 @@ impl<R: Runner> Cells<R> {
         &mut self.runner
     }
 
-    /// `code` with what `wanted` from the cells that ran before in front of it.
+    /// `code` (this cell's) with what `wanted` from the cells that ran before in front of it.
     fn assemble(&self, code: &str, wanted: Wanted) -> Assembled {
+        self.assemble_as(code, self.runs, wanted)
+    }
+
+    /// `code`, the code of cell number `run` (a magic alone acts on the last training cell's),
+    /// with what `wanted` from the cells that ran before in front of it.
+    fn assemble_as(&self, code: &str, run: usize, wanted: Wanted) -> Assembled {
         let sources = |module: &[String]| library_module(&self.runner, module);
-        rewrite::earlier::assemble_with(code, self.runs, &self.history, wanted, &sources)
+        rewrite::earlier::assemble_with(code, run, &self.history, wanted, &sources)
     }
 
     /// Runs one cell: its magics, then its code, then records its memory.

@@ -305,8 +305,9 @@ impl<R: Runner> Cells<R> {
             };
         }
         // A leaner optimizer replaces the one the cell steps, wherever it was built.
-        let assembled = self.assemble(
+        let assembled = self.assemble_as(
             &cell.code,
+            cell.run,
             Wanted {
                 batch: false,
                 optimizer: winner.optimizer.is_some() || winner.step_in_backward,

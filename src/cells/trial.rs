@@ -48,6 +48,8 @@ pub(super) struct TrainingCell {
     /// The optimizer the cell steps when its type is one tchmem does not know (the notebook's
     /// own, say): no rule counts its state, the trials measure it on their line.
     pub unknown_optimizer: Option<UnknownOptimizer>,
+    /// The number of the cell `code` is (an earlier cell's, for a magic alone in its cell).
+    pub run: usize,
 }
 
 impl TrainingCell {
@@ -74,9 +76,9 @@ impl<R: Runner> Cells<R> {
         source: &CellMagicSource<'_>,
         magic: &str,
     ) -> Result<TrainingCell, CellError> {
-        let (code, offset) = if source.body.trim().is_empty() {
+        let (code, offset, run) = if source.body.trim().is_empty() {
             match &self.last_training_cell {
-                Some((_, code)) => (code.clone(), 0),
+                Some((run, code)) => (code.clone(), 0, *run),
                 None => {
                     return Err(CellError::new(
                         ErrorName::NoTrainingCell,
@@ -88,9 +90,9 @@ impl<R: Runner> Cells<R> {
                 }
             }
         } else {
-            (source.body.to_string(), source.body_offset)
+            (source.body.to_string(), source.body_offset, self.runs)
         };
-        let assembled = self.assemble(&code, Wanted::TRIAL);
+        let assembled = self.assemble_as(&code, run, Wanted::TRIAL);
         let refused = |refusal: Refusal| {
             CellError::new(
                 ErrorName::RewriteRefused,
@@ -123,6 +125,7 @@ impl<R: Runner> Cells<R> {
             binding,
             rule,
             unknown_optimizer,
+            run,
         })
     }
 
@@ -155,8 +158,9 @@ impl<R: Runner> Cells<R> {
         options: &Options,
     ) -> Assembled {
         let head = options.fused_loss.is_some() && rewrite::loss_takes_model_output(&cell.code);
-        self.assemble(
+        self.assemble_as(
             &cell.code,
+            cell.run,
             Wanted {
                 model: options.checkpoint.is_some(),
                 head,

@@ -87,7 +87,16 @@ impl Live {
             .filter(|(_, (_, _, d))| d.what.is_none())
             .filter_map(|(name, (_, _, d))| {
                 let call = d.function_call.as_ref()?;
-                let store = call.arguments.iter().find(|a| is_store(a))?.clone();
+                // Given two stores, which one it builds on is the function's to say: none.
+                let [store] = call
+                    .arguments
+                    .iter()
+                    .filter(|a| is_store(a))
+                    .collect::<Vec<_>>()[..]
+                else {
+                    return None;
+                };
+                let store = store.clone();
                 let (_, _, function) = self.functions.get(&call.function)?;
                 let rule = built_rule(&function.code)?;
                 let built = Built {
@@ -255,9 +264,24 @@ fn whole_arguments(call: &syn::ExprCall) -> Vec<String> {
 }
 
 /// The rule of the one optimizer of tch's or tchmem's a function's code builds
-/// (`nn::Adam::default().build(vs, 1e-3)`), if it builds exactly one.
+/// (`nn::Adam::default().build(vs, 1e-3)`), if it builds exactly one and returns an optimizer
+/// (`-> nn::Optimizer`, `-> Result<nn::Optimizer>`, tchmem's): a function that trains with
+/// one inside (an LR sweep) or returns a model beside it is no optimizer's.
 fn built_rule(function_code: &str) -> Option<(String, OptimizerRule)> {
     let parsed = cell::parse(function_code).ok()?;
+    let returns_an_optimizer = parsed.block.stmts.iter().any(|stmt| {
+        let Stmt::Item(Item::Fn(function)) = stmt else {
+            return false;
+        };
+        let syn::ReturnType::Type(_, output) = &function.sig.output else {
+            return false;
+        };
+        let text = output.to_token_stream().to_string();
+        text.contains("Optimizer") && !text.contains('(')
+    });
+    if !returns_an_optimizer {
+        return None;
+    }
     let builds = optimizer::builds(&Tree::of(&parsed.block));
     match builds.as_slice() {
         [build] => rule_of(&build.config),

@@ -399,6 +399,7 @@ pub fn assemble_with(
         .collect();
     var_stores.sort();
     let functions = called_functions(cell, &all);
+    let in_the_cell = optimizers_built_in(cell, run, earlier);
     let unknown_optimizers = rebuilt
         .iter()
         .filter_map(|rebuilt| {
@@ -408,7 +409,7 @@ pub fn assemble_with(
                 .as_ref()?
                 .unknown_optimizer(&rebuilt.name, rebuilt.run)
         })
-        .chain(unknown_optimizers_built_in(cell, run, earlier))
+        .chain(in_the_cell.unknown)
         .collect();
     let rules_built_by_functions = rebuilt
         .iter()
@@ -417,6 +418,7 @@ pub fn assemble_with(
             definition.function_call.as_ref()?;
             definition.optimizer.as_ref()?.rule.clone()
         })
+        .chain(in_the_cell.rules)
         .collect();
 
     let mut prelude = String::new();
@@ -441,40 +443,53 @@ pub fn assemble_with(
     }
 }
 
-/// The optimizers `cell`'s training steps step (`opt` of `opt.step()` after a backward).
-/// The optimizers of a type tchmem does not know that `cell` (cell number `run`) builds itself
-/// and steps: `let mut opt = SparseAdam::new(&vs, …);` above its loop, on a store of an earlier
-/// cell. The cell builds them in every trial; messages and estimates name them as they name one
-/// of an earlier cell.
-fn unknown_optimizers_built_in(
-    cell: &str,
-    run: usize,
-    earlier: &[EarlierCell],
-) -> Vec<UnknownOptimizer> {
+/// What the optimizers that `cell` (cell number `run`) builds itself and steps say of
+/// themselves: those of a type tchmem does not know (`let mut opt = SparseAdam::new(&vs, …);`
+/// above its loop, on a store of an earlier cell), named as one of an earlier cell is, and the
+/// rules of those a function of the notebook builds (`let mut opt = make_optimizer(&vs);`),
+/// which the cell's code does not show.
+#[derive(Default)]
+struct BuiltInTheCell {
+    unknown: Vec<UnknownOptimizer>,
+    rules: Vec<(String, OptimizerRule)>,
+}
+
+fn optimizers_built_in(cell: &str, run: usize, earlier: &[EarlierCell]) -> BuiltInTheCell {
     let steps = stepped(cell);
     let this = EarlierCell {
         run,
         code: cell.to_string(),
     };
-    // Most cells build no value they step: one parse of the cell says so.
+    // Most cells build no value they step by a call: one parse of the cell says so.
     let own = Live::of(std::slice::from_ref(&this));
-    if !steps.iter().any(|name| own.values.contains_key(name)) {
-        return Vec::new();
+    let by_a_call = |name: &String| {
+        own.values.get(name).is_some_and(|(_, _, d)| {
+            d.what.is_none() && (d.type_call.is_some() || d.function_call.is_some())
+        })
+    };
+    if !steps.iter().any(by_a_call) {
+        return BuiltInTheCell::default();
     }
-    // The store and the optimizer's type are the earlier cells'.
+    // The store, the optimizer's type and the function are the earlier cells'.
     let mut all = Live::of(&[earlier, std::slice::from_ref(&this)].concat());
     all.mark_unknown_optimizers(&steps);
-    steps
-        .iter()
-        .filter_map(|name| {
-            let (built_in, _, definition) = all.values.get(name)?;
-            (*built_in == run)
-                .then(|| definition.optimizer.as_ref()?.unknown_optimizer(name, run))
-                .flatten()
-        })
-        .collect()
+    let mut built = BuiltInTheCell::default();
+    for name in &steps {
+        let Some((built_in, _, definition)) = all.values.get(name) else {
+            continue;
+        };
+        let Some(optimizer) = definition.optimizer.as_ref().filter(|_| *built_in == run) else {
+            continue;
+        };
+        built.unknown.extend(optimizer.unknown_optimizer(name, run));
+        if definition.function_call.is_some() {
+            built.rules.extend(optimizer.rule.clone());
+        }
+    }
+    built
 }
 
+/// The optimizers `cell`'s training steps step (`opt` of `opt.step()` after a backward).
 fn stepped(cell: &str) -> Vec<String> {
     let Ok(parsed) = super::cell::parse(cell) else {
         return Vec::new();
@@ -792,20 +807,54 @@ mod tests {
             model.optimizers[0].rule,
             Some(("AdamW".to_string(), OptimizerRule::AdamW))
         );
-        // A function that builds none, or two, is no optimizer's.
-        for body in [
-            "nn::seq()",
-            "if fast { nn::Sgd::default().build(vs, 0.1).unwrap() } else { \
-             nn::Adam::default().build(vs, 1e-3).unwrap() }",
+        // Called in the training cell itself, the rule is read the same way.
+        let own = format!("let mut opt = make_opt(&vs);\n{LOOP}");
+        let assembled = assemble(&own, &earlier, Wanted::TRIAL);
+        assert!(assembled.rebuilt.is_empty(), "{:?}", assembled.rebuilt);
+        assert_eq!(
+            assembled.known.rules_built_by_functions,
+            [("AdamW".to_string(), OptimizerRule::AdamW)]
+        );
+        // A function that builds none or two, trains with one inside (an LR sweep), returns a
+        // model beside it, or is given two stores, is no optimizer's.
+        for (function, call) in [
+            (
+                "fn make_opt(vs: &nn::VarStore) -> nn::Optimizer { nn::seq() }",
+                "make_opt(&vs)",
+            ),
+            (
+                "fn make_opt(vs: &nn::VarStore) -> nn::Optimizer { if fast { \
+                 nn::Sgd::default().build(vs, 0.1).unwrap() } else { \
+                 nn::Adam::default().build(vs, 1e-3).unwrap() } }",
+                "make_opt(&vs)",
+            ),
+            (
+                "fn lr_find(vs: &nn::VarStore) -> Vec<f64> { let mut opt = \
+                 nn::Sgd::default().build(vs, 1e-7).unwrap(); vec![] }",
+                "lr_find(&vs)",
+            ),
+            (
+                "fn make(vs: &nn::VarStore) -> (Net, nn::Optimizer) { (Net::new(&vs.root()), \
+                 nn::Adam::default().build(vs, 1e-3).unwrap()) }",
+                "make(&vs)",
+            ),
+            (
+                "fn make_opt(a: &nn::VarStore, b: &nn::VarStore) -> nn::Optimizer { \
+                 nn::Adam::default().build(b, 1e-3).unwrap() }",
+                "make_opt(&vs, &head_vs)",
+            ),
         ] {
             let earlier = cells(&[
-                &format!("fn make_opt(vs: &nn::VarStore) -> nn::Optimizer {{ {body} }}"),
-                "let vs = nn::VarStore::new(Device::Cpu);\nlet mut opt = make_opt(&vs);",
+                function,
+                &format!(
+                    "let vs = nn::VarStore::new(Device::Cpu);\n\
+                     let head_vs = nn::VarStore::new(Device::Cpu);\nlet mut opt = {call};"
+                ),
             ]);
             let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
             assert!(
                 assembled.rebuilt.is_empty(),
-                "{body}: {:?}",
+                "{function}: {:?}",
                 assembled.rebuilt
             );
         }
