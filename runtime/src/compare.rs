@@ -217,6 +217,15 @@ pub(crate) fn at_marker(next: Option<Part>) {
     peaks.part_carried = 0;
 }
 
+/// Called where the training loop's body begins (the compared code of both sides has it):
+/// what is allocated there, once a step has ended, is what outlived it. A loop without the
+/// phase markers of a rewrite (the original side) is read here rather than at the end of its
+/// step, where the step's own locals (a style transfer's every layer's output) are alive.
+/// Outside a run it does nothing.
+pub fn step_begins() {
+    at_step_start();
+}
+
 /// Notes one optimizer step and its loss; true once the run has its steps (the loop stops).
 /// Outside a run it does nothing and returns false.
 pub fn record_step(loss: &Tensor) -> bool {

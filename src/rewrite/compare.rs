@@ -85,6 +85,7 @@ pub(crate) fn instrument(src: &str) -> Result<String, Refusal> {
     };
     let target: *const Block = tree.blocks[step.block].block;
     let loop_body: *const Block = tree.blocks[outermost].block;
+    let step_loop_body: *const Block = tree.blocks[innermost].block;
     let needs_label = outer_loop.label().is_none();
     let rewritten = !tchmem_modules(&block).is_empty();
     drop(tree);
@@ -98,6 +99,11 @@ pub(crate) fn instrument(src: &str) -> Result<String, Refusal> {
             *semi = Some(Default::default());
         }
         b.stmts.splice(at..at, record);
+    });
+    // Where a step begins, what the last one left is read ("kept across steps").
+    let begins = stmts(quote! { tchmem::compare::step_begins(); })?;
+    edit_block(&mut block, step_loop_body, |b| {
+        b.stmts.splice(0..0, begins);
     });
     let header = format!(
         "%%optimize --compare: the {} cell, instrumented by tchmem to stop after the compared \

@@ -25,6 +25,7 @@ let ys = xs.sum_dim_intlist(1, true, Kind::Float).tanh();
 'tchmem_train: for epoch in 0..10 {
     let mut batches = tch::data::Iter2::new(&xs, &ys, 128);
     for (bx, by) in batches.shuffle() {
+        tchmem::compare::step_begins();
         opt.zero_grad();
         let pred = net.forward_t(&bx, true);
         let loss = pred.mse_loss(&by, tch::Reduction::Mean);

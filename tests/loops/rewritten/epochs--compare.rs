@@ -28,6 +28,7 @@ let batches: Vec<(Tensor, Tensor)> = (0..16)
     .collect();
 'tchmem_train: for epoch in 0..3 {
     for (i, (xs, ys)) in batches.iter().enumerate() {
+        tchmem::compare::step_begins();
         let xs = xs.to_device(device);
         let ys = ys.to_device(device);
         let features = model.forward(&xs);

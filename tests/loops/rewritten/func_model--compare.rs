@@ -50,6 +50,7 @@ let data = Tensor::randint(VOCAB, [64, BLOCK + 1], (Kind::Int64, device));
 'tchmem_train: for epoch in 1..=3 {
     let mut total = 0.0;
     for batch in data.split(16, 0).iter() {
+        tchmem::compare::step_begins();
         let xs = batch.narrow(1, 0, BLOCK);
         let ys = batch.narrow(1, 1, BLOCK);
         let logits = xs.apply_t(&model, true);

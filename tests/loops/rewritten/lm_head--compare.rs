@@ -22,6 +22,7 @@ let tokens = Tensor::randint(VOCAB, [64, 33], (Kind::Int64, device));
 'tchmem_train: for epoch in 1..=3 {
     let mut total = 0.0;
     for batch in tokens.split(16, 0).iter() {
+        tchmem::compare::step_begins();
         let xs = batch.narrow(1, 0, 32);
         let ys = batch.narrow(1, 1, 32);
         let hidden = body.forward(&xs.apply(&embed));

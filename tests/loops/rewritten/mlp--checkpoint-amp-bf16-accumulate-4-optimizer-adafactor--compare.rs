@@ -21,6 +21,7 @@ let labels = Tensor::randint(10, [8192], (Kind::Int64, device));
 'tchmem_train: for epoch in 1..=5 {
     let mut total = 0.0;
     for (xs, ys) in images.split(256, 0).iter().zip(labels.split(256, 0).iter()) {
+        tchmem::compare::step_begins();
         opt.zero_grad();
         let loss = {
             let mut accumulated: Option<tch::Tensor> = None;

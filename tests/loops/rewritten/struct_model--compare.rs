@@ -43,6 +43,7 @@ let mut opt: nn::Optimizer = nn::adam(0.9, 0.999, 1e-4).build(&vs, 1e-3).unwrap(
 let images = Tensor::rand([2048, 784], (Kind::Float, device));
 let labels = Tensor::randint(10, [2048], (Kind::Int64, device));
 'tchmem_train: for step in 0..200 {
+    tchmem::compare::step_begins();
     let idx = Tensor::randint(2048, [64], (Kind::Int64, device));
     let xs = images.index_select(0, &idx);
     let ys = labels.index_select(0, &idx);

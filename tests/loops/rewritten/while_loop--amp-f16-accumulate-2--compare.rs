@@ -14,6 +14,7 @@ let mut grad_scaler = tchmem::amp::GradScaler::new(&vs);
 let data = Tensor::randn([1024, 128], (Kind::Float, device));
 let mut step = 0;
 'tchmem_train: while step < 300 {
+    tchmem::compare::step_begins();
     let xs = data.narrow(0, (step % 16) * 64, 64);
     opt.zero_grad();
     let loss = {

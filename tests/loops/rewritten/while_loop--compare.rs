@@ -12,6 +12,7 @@ let mut opt = nn::RmsProp::default().build(&vs, 1e-3)?;
 let data = Tensor::randn([1024, 128], (Kind::Float, device));
 let mut step = 0;
 'tchmem_train: while step < 300 {
+    tchmem::compare::step_begins();
     let xs = data.narrow(0, (step % 16) * 64, 64);
     let code = xs.apply(&encoder);
     let loss = decoder.forward(&code).mse_loss(&xs, tch::Reduction::Mean);
