@@ -216,10 +216,7 @@ impl TypeCall {
     /// The call `init` makes, when it is a function of a type (the path's segment before the
     /// function starts with a capital: `SparseAdam::new`, not `nn::linear`).
     fn of(init: &syn::Expr) -> Option<TypeCall> {
-        let call = call_under(init, &["unwrap", "expect"])?;
-        let syn::Expr::Path(func) = &*call.func else {
-            return None;
-        };
+        let (func, call) = path_call(init)?;
         let segments = &func.path.segments;
         let type_name = segments.iter().rev().nth(1)?.ident.to_string();
         if !type_name.starts_with(char::is_uppercase) || func.qself.is_some() {
@@ -242,15 +239,22 @@ pub(super) struct FunctionCall {
 impl FunctionCall {
     /// The call `init` makes, when it is a function named by one plain name.
     fn of(init: &syn::Expr) -> Option<FunctionCall> {
-        let call = call_under(init, &["unwrap", "expect"])?;
-        let syn::Expr::Path(func) = &*call.func else {
-            return None;
-        };
+        let (func, call) = path_call(init)?;
         let function = func.path.get_ident()?.to_string();
         Some(FunctionCall {
             function,
             arguments: whole_arguments(call),
         })
+    }
+}
+
+/// The call `init` makes of a function named by a path (perhaps under `?` or `.unwrap()`), and
+/// that path: what [`TypeCall`] and [`FunctionCall`] read.
+fn path_call(init: &syn::Expr) -> Option<(&syn::ExprPath, &syn::ExprCall)> {
+    let call = call_under(init, &["unwrap", "expect"])?;
+    match &*call.func {
+        syn::Expr::Path(func) => Some((func, call)),
+        _ => None,
     }
 }
 

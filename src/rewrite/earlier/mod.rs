@@ -455,6 +455,11 @@ struct BuiltInTheCell {
 }
 
 fn optimizers_built_in(cell: &str, run: usize, earlier: &[EarlierCell]) -> BuiltInTheCell {
+    // A magic alone in its cell acts on an earlier cell's code: what that cell built is
+    // brought in from it, as any earlier cell's is.
+    if earlier.iter().any(|kept| kept.run == run) {
+        return BuiltInTheCell::default();
+    }
     let steps = stepped(cell);
     let this = EarlierCell {
         run,
@@ -525,6 +530,15 @@ fn called_functions(cell: &str, live: &Live) -> Vec<EarlierFn> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `assembled` brought in front of the cell: names and kinds.
+    fn brought(assembled: &Assembled) -> Vec<(&str, Brought)> {
+        assembled
+            .rebuilt
+            .iter()
+            .map(|r| (r.name.as_str(), r.what))
+            .collect()
+    }
 
     pub(super) fn cells(codes: &[&str]) -> Vec<EarlierCell> {
         codes
@@ -650,12 +664,7 @@ mod tests {
         ]);
         // Trials step a fresh one: the notebook's keeps its state.
         let assembled = assemble(WRITTEN_LOOP, &earlier, Wanted::TRIAL);
-        let brought: Vec<(&str, Brought)> = assembled
-            .rebuilt
-            .iter()
-            .map(|r| (r.name.as_str(), r.what))
-            .collect();
-        assert_eq!(brought, [("opt", Brought::Optimizer)]);
+        assert_eq!(brought(&assembled), [("opt", Brought::Optimizer)]);
         assert!(assembled
             .code
             .starts_with("// from cell [2]\nlet mut opt = SparseAdam::new(&vs, 5e-3);\nfor"));
@@ -791,12 +800,7 @@ mod tests {
         ]);
         // Trials build a fresh one from the statement, and count AdamW's state.
         let assembled = assemble(LOOP, &earlier, Wanted::TRIAL);
-        let brought: Vec<(&str, Brought)> = assembled
-            .rebuilt
-            .iter()
-            .map(|r| (r.name.as_str(), r.what))
-            .collect();
-        assert_eq!(brought, [("opt", Brought::Optimizer)]);
+        assert_eq!(brought(&assembled), [("opt", Brought::Optimizer)]);
         assert_eq!(
             assembled.known.rules_built_by_functions,
             [("AdamW".to_string(), OptimizerRule::AdamW)]
